@@ -1,0 +1,15 @@
+"""The list of subcommand registrars; each takes the argparse subparsers object and adds its commands."""
+from __future__ import annotations
+
+
+def _generate(sub):
+    from specdecode.engine.cli import register
+    register(sub)
+
+
+def _train(sub):
+    from specdecode.train.cli import register
+    register(sub)
+
+
+REGISTRY = [_generate, _train]

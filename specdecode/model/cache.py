@@ -1,0 +1,65 @@
+"""Static, preallocated KV cache with a committed length per row.
+
+A forward pass writes the keys/values of its new tokens at [length, length + T) of each row without moving
+`length`; the caller then either advances the row (plain decoding), commits a chosen subset of those slots
+(the accepted path of a draft tree), or does nothing (everything written is dead and is overwritten next time).
+"""
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """Per-layer key/value buffers [slots, kv_heads, max_len, head_dim] and committed lengths [slots]."""
+
+    def __init__(self, num_layers: int, slots: int, kv_heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        shape = (slots, kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.max_len = max_len
+        self.device = torch.device(device)
+        # Lengths live on the host: the engine needs them to size every step, and a device copy is made per
+        # forward (one small transfer, no synchronisation).
+        self.lengths = torch.zeros(slots, dtype=torch.long)  # [slots]
+
+    @property
+    def num_slots(self) -> int:
+        return self.lengths.shape[0]
+
+    def write(self, layer: int, slots: torch.Tensor, write_pos: torch.Tensor, k_new: torch.Tensor,
+              v_new: torch.Tensor) -> None:
+        """Store new keys/values. slots [B], write_pos [B, T], k_new/v_new [B, kv_heads, T, head_dim]."""
+        # Advanced indices on dims 0 and 2 with a slice between them put the indexed dims first: [B, T, kvh, hd].
+        self.k[layer][slots[:, None], :, write_pos] = k_new.transpose(1, 2)
+        self.v[layer][slots[:, None], :, write_pos] = v_new.transpose(1, 2)
+
+    def advance(self, slots: torch.Tensor, n: torch.Tensor | int) -> None:
+        """Make the first n freshly written positions of each row part of its committed prefix."""
+        self.lengths[slots.cpu()] += n if isinstance(n, int) else n.cpu()
+
+    def commit(self, slots: torch.Tensor, kept: torch.Tensor, n_kept: torch.Tensor) -> None:
+        """Keep chosen fresh positions of each row and drop the rest.
+
+        slots [B]; kept [B, A]: offsets (from the row's length) of the fresh positions to keep, in order;
+        n_kept [B]: how many of them are valid. Kept entry i moves to offset i; the entries past n_kept are
+        copied too (that keeps every shape static) but stay beyond the new length, so they are dead.
+        """
+        if kept.shape[1] == 0:
+            return
+        slots_dev = slots.to(self.device)
+        base = self.lengths[slots.cpu()].to(self.device)[:, None]  # [B, 1]
+        src = (base + kept.to(self.device)).clamp_(max=self.max_len - 1)  # [B, A]
+        dst = (base + torch.arange(kept.shape[1], device=self.device)).clamp_(max=self.max_len - 1)  # [B, A]
+        rows = slots_dev[:, None]
+        for buffers in (self.k, self.v):
+            for buf in buffers:
+                buf[rows, :, dst] = buf[rows, :, src]  # gather makes a copy first, so overlaps are safe
+        self.advance(slots, n_kept)
+
+    def rollback(self, slots: torch.Tensor, lengths: torch.Tensor | int) -> None:
+        """Shorten rows to the given committed lengths; the positions after them are dead."""
+        self.lengths[slots.cpu()] = lengths if isinstance(lengths, int) else lengths.cpu()
+
+    def reset(self, slots: torch.Tensor) -> None:
+        self.rollback(slots, 0)

@@ -1,0 +1,213 @@
+"""One Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3), configured by ModelConfig.
+
+Two forwards share the same weights: a training forward (full causal attention, no cache) and an inference
+forward over a static KVCache, with explicit position ids per token and an optional draft-tree mask. Parameter
+names match Hugging Face's, so a checkpoint's state dict loads as is.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdecode.model.cache import KVCache
+from specdecode.model.config import ModelConfig
+
+
+@dataclasses.dataclass
+class ModelOutput:
+    hidden: torch.Tensor
+    """Final (normed) hidden states [B, T, D], the input of the output head."""
+    logits: torch.Tensor | None = None
+    """Output logits [B, T, vocab] (None when compute_logits=False)."""
+    layer_hidden: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    """Outputs of the requested decoder layers, each [B, T, D]."""
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 whatever the storage dtype, as the reference implementation does.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        d, hd, bias = config.hidden_size, config.head_dim, config.attention_bias
+        self.q_proj = nn.Linear(d, self.num_heads * hd, bias=bias)
+        self.k_proj = nn.Linear(d, self.num_kv_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(d, self.num_kv_heads * hd, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * hd, d, bias=False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(hd, config.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: "_CacheContext | None"):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, hd]
+        cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, hd]
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        if ctx is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            ctx.cache.write(self.layer_idx, ctx.slots, ctx.write_pos, k, v)
+            keys, values = ctx.context(self.layer_idx)  # [B, kv_heads, L, hd]
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=ctx.mask, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, ctx):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class _CacheContext:
+    """What every layer of one cached forward shares: where to write, what to read, the attention mask."""
+
+    def __init__(self, cache: KVCache, slots: torch.Tensor | None, batch: int, new_tokens: int,
+                 tree_mask: torch.Tensor | None):
+        device = cache.device
+        self.cache = cache
+        if slots is None:
+            self.contiguous = True  # rows 0..B-1: read the cache through views, no copy
+            slots = torch.arange(batch)
+        else:
+            self.contiguous = False
+        lengths = cache.lengths[slots.cpu()]  # [B], host
+        self.context_len = int(lengths.max()) + new_tokens
+        if self.context_len > cache.max_len:
+            raise ValueError(f"the KV cache holds {cache.max_len} positions per row; this step needs "
+                             f"{self.context_len}. Allocate a longer cache or generate fewer tokens.")
+        self.slots = slots.to(device)
+        lengths = lengths.to(device)
+        new = torch.arange(new_tokens, device=device)
+        self.write_pos = lengths[:, None] + new  # [B, T]
+        rel = torch.arange(self.context_len, device=device)[None, :] - lengths[:, None]  # [B, L]: offset from prefix end
+        is_new = (rel >= 0) & (rel < new_tokens)
+        if tree_mask is None:
+            new_visible = rel[:, None, :] <= new[None, :, None]  # [B, T, L]: causal over the new tokens
+        else:
+            index = rel.clamp(0, new_tokens - 1)[:, None, :].expand(batch, new_tokens, self.context_len)
+            new_visible = torch.gather(tree_mask.to(device), 2, index)  # [B, T, L]
+        self.mask = ((rel < 0)[:, None, :] | (is_new[:, None, :] & new_visible))[:, None]  # [B, 1, T, L]
+
+    def context(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        L = self.context_len
+        if self.contiguous:
+            B = self.slots.shape[0]
+            return self.cache.k[layer][:B, :, :L], self.cache.v[layer][:B, :, :L]
+        return self.cache.k[layer][self.slots, :, :L], self.cache.v[layer][self.slots, :, :L]
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = Decoder(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("inv_freq", config.inv_freq(), persistent=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def make_cache(self, slots: int, max_len: int) -> KVCache:
+        c = self.config
+        return KVCache(c.num_hidden_layers, slots, c.num_key_value_heads, max_len, c.head_dim,
+                       dtype=self.dtype, device=self.device)
+
+    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, T, head_dim] for position ids [B, T]."""
+        freqs = positions.float()[..., None] * self.inv_freq  # [B, T, hd/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                cache: KVCache | None = None, slots: torch.Tensor | None = None,
+                tree_mask: torch.Tensor | None = None, hidden_layers: tuple[int, ...] = (),
+                compute_logits: bool = True, inputs_embeds: torch.Tensor | None = None) -> ModelOutput:
+        """Run the decoder.
+
+        input_ids [B, T]. Without a cache: the training forward (causal attention over the T tokens).
+        With a cache: new tokens are appended after each row's committed length (rows are `slots` [B],
+        default 0..B-1) and attend to that prefix plus, among the new tokens, either the causal past or,
+        with tree_mask [B, T, T] (bool, True = may attend), their tree ancestors and themselves.
+        positions [B, T] default to length + arange(T). The cache's lengths are not changed.
+        """
+        B, T = input_ids.shape
+        ctx = None
+        if cache is not None:
+            ctx = _CacheContext(cache, slots, B, T, tree_mask)
+            if positions is None:
+                positions = ctx.write_pos
+        elif positions is None:
+            positions = torch.arange(T, device=input_ids.device).expand(B, T)
+        cos, sin = self.rotary(positions.to(self.device))
+        x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        layer_hidden = {}
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, ctx)
+            if i in hidden_layers:
+                layer_hidden[i] = x
+        hidden = self.model.norm(x)
+        logits = self.lm_head(hidden) if compute_logits else None
+        return ModelOutput(hidden=hidden, logits=logits, layer_hidden=layer_hidden)

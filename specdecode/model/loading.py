@@ -1,0 +1,118 @@
+"""Hugging Face checkpoint directories: load (config.json + safetensors, single or sharded) and save.
+
+Only safetensors are read: pickled *.bin weights can run arbitrary code when loaded, so they are refused.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from specdecode.errors import CheckpointError, ConfigError
+from specdecode.model.config import ModelConfig
+from specdecode.model.llama import LlamaForCausalLM
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """'auto' means float32 on CPU and bfloat16 on CUDA."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype {dtype!r} is not supported; use one of: auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None or device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    single = model_dir / "model.safetensors"
+    index = model_dir / "model.safetensors.index.json"
+    if single.is_file():
+        return [single]
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, UnicodeDecodeError) as exc:
+            raise CheckpointError(f"{index} is corrupt ({exc!r}); it must be JSON with a 'weight_map'") from exc
+        shards = sorted(set(weight_map.values()))
+        missing = [s for s in shards if not (model_dir / s).is_file()]
+        if missing:
+            raise CheckpointError(f"{model_dir / missing[0]} is missing (listed in {index.name})")
+        return [model_dir / s for s in shards]
+    if list(model_dir.glob("*.bin")) or list(model_dir.glob("*.pt")) or list(model_dir.glob("*.pth")):
+        raise CheckpointError(
+            f"{model_dir} has only pickled weights (*.bin/*.pt); specdecode loads safetensors only because "
+            "pickle can run arbitrary code. Convert it: load it in transformers and call "
+            "save_pretrained(dir, safe_serialization=True)."
+        )
+    raise CheckpointError(f"{single} is missing: a model directory needs model.safetensors or "
+                          "model.safetensors.index.json")
+
+
+def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
+    state = {}
+    for path in _weight_files(model_dir):
+        try:
+            state.update(load_file(str(path)))
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise CheckpointError(f"{path} is corrupt or unreadable ({exc}); re-download or re-save it") from exc
+    return state
+
+
+def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
+               device: str | torch.device | None = None) -> LlamaForCausalLM:
+    """Build the decoder described by model_dir/config.json and fill it with its safetensors weights."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise CheckpointError(f"model directory {model_dir} does not exist")
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
+    config = ModelConfig.from_file(model_dir / "config.json")
+    state = load_state_dict(model_dir)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    expected = {k for k in model.state_dict() if not (config.tie_word_embeddings and k == "lm_head.weight")}
+    missing = sorted(expected - state.keys())
+    unexpected = sorted(k for k in state.keys() - expected if "rotary_emb" not in k)
+    if missing or unexpected:
+        detail = f"missing {missing[:3]}" if missing else f"unexpected {unexpected[:3]}"
+        raise CheckpointError(f"weights in {model_dir} do not match its config.json ({detail}); "
+                              "the checkpoint and config.json come from different models")
+    for name, tensor in state.items():
+        want = model.get_parameter(name).shape if name in expected else None
+        if want is not None and tuple(tensor.shape) != tuple(want):
+            raise CheckpointError(f"weight {name} in {model_dir} has shape {tuple(tensor.shape)}, config.json "
+                                  f"implies {tuple(want)}; the checkpoint and config.json do not match")
+    state = {k: v.to(dtype) for k, v in state.items() if k in expected}
+    model.load_state_dict(state, assign=True, strict=False)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.inv_freq = config.inv_freq()
+    return model.to(device).eval()
+
+
+def save_model(model: LlamaForCausalLM, model_dir: str | Path, dtype: torch.dtype | None = None) -> None:
+    """Write config.json + model.safetensors (readable by transformers' from_pretrained)."""
+    model_dir = Path(model_dir)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    config = model.config.to_hf_dict()
+    dtype = dtype or model.dtype
+    config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    state = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+    (model_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -1,0 +1,112 @@
+"""Tokenizer of a checkpoint directory: tokenizer.json (the `tokenizers` library) plus tokenizer_config.json
+(special tokens, chat template) and generation_config.json (EOS ids), and an incremental detokenizer for
+streaming whose work per token does not grow with the text.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer as HFTokenizer
+
+from specdecode.errors import CheckpointError
+
+
+def _read_json(path: Path, required: bool) -> dict:
+    if not path.is_file():
+        if required:
+            raise CheckpointError(f"{path} is missing")
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path} is not valid JSON ({exc}); re-save the checkpoint") from exc
+
+
+def _token_content(value) -> str | None:
+    if isinstance(value, dict):  # AddedToken serialisation
+        return value.get("content")
+    return value
+
+
+class Tokenizer:
+    def __init__(self, model_dir: str | Path, config_eos: list[int] | None = None):
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise CheckpointError(f"{path} is missing: specdecode needs a fast tokenizer (tokenizer.json)")
+        try:
+            self.backend = HFTokenizer.from_file(str(path))
+        except Exception as exc:  # the Rust library raises its own exception type
+            raise CheckpointError(f"{path} is corrupt ({exc}); re-save the tokenizer") from exc
+        cfg = _read_json(model_dir / "tokenizer_config.json", required=False)
+        gen = _read_json(model_dir / "generation_config.json", required=False)
+        self.bos_token = _token_content(cfg.get("bos_token"))
+        self.eos_token = _token_content(cfg.get("eos_token"))
+        self.pad_token = _token_content(cfg.get("pad_token"))
+        self.add_bos_token = bool(cfg.get("add_bos_token", False))
+        self.chat_template = cfg.get("chat_template")
+        self.bos_token_id = self.backend.token_to_id(self.bos_token) if self.bos_token else None
+        self.pad_token_id = self.backend.token_to_id(self.pad_token) if self.pad_token else None
+        eos = gen.get("eos_token_id")
+        eos_ids = ([eos] if isinstance(eos, int) else list(eos)) if eos is not None else []
+        if self.eos_token and self.backend.token_to_id(self.eos_token) is not None:
+            eos_ids.append(self.backend.token_to_id(self.eos_token))
+        eos_ids += config_eos or []
+        self.eos_token_ids = sorted(set(eos_ids))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size()
+
+    def get_vocab(self) -> dict[str, int]:
+        return self.backend.get_vocab()
+
+    def special_tokens(self) -> dict[str, str | None]:
+        return {"bos_token": self.bos_token, "eos_token": self.eos_token, "pad_token": self.pad_token}
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
+            ids = [self.bos_token_id] + ids
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render chat messages with the checkpoint's Jinja chat template (a plain fallback if it has none)."""
+        if not self.chat_template:
+            lines = [f"{m['role']}: {m['content']}" for m in messages]
+            return "\n".join(lines) + ("\nassistant:" if add_generation_prompt else "")
+        import jinja2
+
+        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+        return env.from_string(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas, decoding only a short window each time.
+
+    A multi-byte character split across tokens decodes to U+FFFD until its last byte arrives, so text is held
+    back while the window ends in U+FFFD.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = list(prompt_ids[-4:]) if prompt_ids else []  # context for spaces/merges
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+
+    def add(self, new_ids: list[int]) -> str:
+        self.ids.extend(new_ids)
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        if full.endswith("\ufffd") or len(full) <= len(prefix):
+            return ""
+        delta = full[len(prefix):]
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.ids)
+        return delta

@@ -1,0 +1,110 @@
+"""Draft trees: the one shape every proposer produces.
+
+A tree of n draft tokens is a parent array (parents[i] < i, -1 = child of the last committed token). A chain of K
+tokens is parents [-1, 0, 1, ..., K-2]. Everything derived from a shape (attention mask, depths, children,
+root-to-leaf paths) is computed once per distinct shape and cached.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeShape:
+    """Everything derived from a parent array; built once per distinct shape by `tree_shape`."""
+
+    parents: tuple[int, ...]
+    depths: torch.Tensor
+    """[n] depth of each node, 0 for children of the committed prefix."""
+    attention_mask: torch.Tensor
+    """[n, n] bool, mask[i, j] = node j is node i or one of its ancestors."""
+    children: tuple[tuple[int, ...], ...]
+    """children[i + 1] = child nodes of node i, in order; children[0] = the root's children (parent -1)."""
+    paths: tuple[tuple[int, ...], ...]
+    """Every root-to-leaf path as node indices."""
+
+
+@functools.lru_cache(maxsize=1024)
+def tree_shape(parents: tuple[int, ...]) -> TreeShape:
+    n = len(parents)
+    depths = [0] * n
+    children: list[list[int]] = [[] for _ in range(n + 1)]
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        if not -1 <= p < i:
+            raise ValueError(f"tree node {i} has parent {p}; a parent must be -1 or an earlier node")
+        depths[i] = 0 if p < 0 else depths[p] + 1
+        children[p + 1].append(i)
+        if p >= 0:
+            mask[i] = mask[p]
+        mask[i, i] = True
+    leaves = [i for i in range(n) if not children[i + 1]]
+    paths = []
+    for leaf in leaves:
+        path = [leaf]
+        while parents[path[-1]] >= 0:
+            path.append(parents[path[-1]])
+        paths.append(tuple(reversed(path)))
+    return TreeShape(parents=tuple(parents), depths=torch.tensor(depths, dtype=torch.long), attention_mask=mask,
+                     children=tuple(tuple(c) for c in children), paths=tuple(paths))
+
+
+def chain_parents(k: int) -> tuple[int, ...]:
+    return tuple(range(-1, k - 1))
+
+
+@dataclasses.dataclass
+class DraftTree:
+    """The draft for one sequence."""
+
+    tokens: torch.Tensor
+    """[n] draft token ids."""
+    parents: torch.Tensor | tuple[int, ...]
+    """[n] index of each node's parent, -1 = child of the last committed token."""
+    draft_probs: torch.Tensor | None = None
+    """[n, vocab] the (processed) distribution each node's token was drawn from; None = deterministic guesses."""
+
+    def __post_init__(self):
+        if isinstance(self.parents, torch.Tensor):
+            self.parents = tuple(self.parents.tolist())
+        self.parents = tuple(self.parents)
+        if len(self.parents) != len(self.tokens):
+            raise ValueError(f"a draft tree has {len(self.tokens)} tokens but {len(self.parents)} parents")
+        if self.draft_probs is not None and self.draft_probs.shape[0] != len(self.tokens):
+            raise ValueError(f"draft_probs has {self.draft_probs.shape[0]} rows for {len(self.tokens)} tokens")
+
+    @classmethod
+    def chain(cls, tokens: torch.Tensor, draft_probs: torch.Tensor | None = None) -> "DraftTree":
+        return cls(tokens=tokens, parents=chain_parents(len(tokens)), draft_probs=draft_probs)
+
+    @classmethod
+    def empty(cls) -> "DraftTree":
+        return cls(tokens=torch.zeros(0, dtype=torch.long), parents=())
+
+    def __len__(self) -> int:
+        return len(self.parents)
+
+    @property
+    def shape(self) -> TreeShape:
+        return tree_shape(self.parents)
+
+    @property
+    def depths(self) -> torch.Tensor:
+        return self.shape.depths
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        return self.shape.attention_mask
+
+    @property
+    def paths(self) -> tuple[tuple[int, ...], ...]:
+        return self.shape.paths
+
+    def path_to(self, node: int) -> list[int]:
+        path = [node]
+        while self.parents[path[-1]] >= 0:
+            path.append(self.parents[path[-1]])
+        return path[::-1]
