@@ -47,6 +47,10 @@ class KVCache:
         """
         if kept.shape[1] == 0:
             return
+        offsets = torch.arange(kept.shape[1])
+        if bool(((kept == offsets) | (offsets >= n_kept[:, None])).all()):
+            self.advance(slots, n_kept)  # the kept positions are already in place (a chain's accepted prefix)
+            return
         slots_dev = slots.to(self.device)
         base = self.lengths[slots.cpu()].to(self.device)[:, None]  # [B, 1]
         src = (base + kept.to(self.device)).clamp_(max=self.max_len - 1)  # [B, A]

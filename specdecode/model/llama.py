@@ -118,31 +118,30 @@ class _CacheContext:
     """What every layer of one cached forward shares: where to write, what to read, the attention mask."""
 
     def __init__(self, cache: KVCache, slots: torch.Tensor | None, batch: int, new_tokens: int,
-                 tree_mask: torch.Tensor | None):
+                 tree_mask: torch.Tensor | None, pending: int):
         device = cache.device
         self.cache = cache
+        self.contiguous = slots is None  # rows 0..B-1: read the cache through views, no copy
         if slots is None:
-            self.contiguous = True  # rows 0..B-1: read the cache through views, no copy
             slots = torch.arange(batch)
-        else:
-            self.contiguous = False
         lengths = cache.lengths[slots.cpu()]  # [B], host
-        self.context_len = int(lengths.max()) + new_tokens
+        fresh = pending + new_tokens  # positions after the committed prefix this forward can see
+        self.context_len = int(lengths.max()) + fresh
         if self.context_len > cache.max_len:
             raise ValueError(f"the KV cache holds {cache.max_len} positions per row; this step needs "
                              f"{self.context_len}. Allocate a longer cache or generate fewer tokens.")
         self.slots = slots.to(device)
         lengths = lengths.to(device)
         new = torch.arange(new_tokens, device=device)
-        self.write_pos = lengths[:, None] + new  # [B, T]
+        self.write_pos = lengths[:, None] + pending + new  # [B, T]
         rel = torch.arange(self.context_len, device=device)[None, :] - lengths[:, None]  # [B, L]: offset from prefix end
-        is_new = (rel >= 0) & (rel < new_tokens)
+        is_fresh = (rel >= 0) & (rel < fresh)
         if tree_mask is None:
-            new_visible = rel[:, None, :] <= new[None, :, None]  # [B, T, L]: causal over the new tokens
+            fresh_visible = rel[:, None, :] <= pending + new[None, :, None]  # [B, T, L]: causal
         else:
-            index = rel.clamp(0, new_tokens - 1)[:, None, :].expand(batch, new_tokens, self.context_len)
-            new_visible = torch.gather(tree_mask.to(device), 2, index)  # [B, T, L]
-        self.mask = ((rel < 0)[:, None, :] | (is_new[:, None, :] & new_visible))[:, None]  # [B, 1, T, L]
+            index = rel.clamp(0, fresh - 1)[:, None, :].expand(batch, new_tokens, self.context_len)
+            fresh_visible = torch.gather(tree_mask.to(device), 2, index)  # [B, T, L]
+        self.mask = ((rel < 0)[:, None, :] | (is_fresh[:, None, :] & fresh_visible))[:, None]  # [B, 1, T, L]
 
     def context(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         L = self.context_len
@@ -184,19 +183,23 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 cache: KVCache | None = None, slots: torch.Tensor | None = None,
                 tree_mask: torch.Tensor | None = None, hidden_layers: tuple[int, ...] = (),
-                compute_logits: bool = True, inputs_embeds: torch.Tensor | None = None) -> ModelOutput:
+                compute_logits: bool = True, inputs_embeds: torch.Tensor | None = None,
+                pending: int = 0) -> ModelOutput:
         """Run the decoder.
 
         input_ids [B, T]. Without a cache: the training forward (causal attention over the T tokens).
         With a cache: new tokens are appended after each row's committed length (rows are `slots` [B],
         default 0..B-1) and attend to that prefix plus, among the new tokens, either the causal past or,
         with tree_mask [B, T, T] (bool, True = may attend), their tree ancestors and themselves.
-        positions [B, T] default to length + arange(T). The cache's lengths are not changed.
+        `pending` > 0 says that the P positions after each row's length already hold uncommitted tokens of
+        this draft (written by an earlier forward): the new tokens are written after them and tree_mask is then
+        [B, T, P + T], its first P columns saying which of those earlier tokens each new token sees.
+        positions [B, T] default to the write positions. The cache's lengths are not changed.
         """
         B, T = input_ids.shape
         ctx = None
         if cache is not None:
-            ctx = _CacheContext(cache, slots, B, T, tree_mask)
+            ctx = _CacheContext(cache, slots, B, T, tree_mask, pending)
             if positions is None:
                 positions = ctx.write_pos
         elif positions is None:

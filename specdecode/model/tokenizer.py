@@ -100,11 +100,12 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
 
-    def add(self, new_ids: list[int]) -> str:
+    def add(self, new_ids: list[int], final: bool = False) -> str:
+        """Text added by new_ids; final=True also releases text held back for an incomplete character."""
         self.ids.extend(new_ids)
         prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
         full = self.tokenizer.decode(self.ids[self.prefix_offset:])
-        if full.endswith("\ufffd") or len(full) <= len(prefix):
+        if (full.endswith("\ufffd") and not final) or len(full) <= len(prefix):
             return ""
         delta = full[len(prefix):]
         self.prefix_offset = self.read_offset

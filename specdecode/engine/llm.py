@@ -1,0 +1,129 @@
+"""`LLM`: offline generation in the shape vLLM users know, with optional speculative decoding.
+
+    llm = LLM(model=DIR, speculative_config={"method": "draft_model", "model": DRAFT, "num_speculative_tokens": 5})
+    outputs = llm.generate(["def f(x):"], SamplingParams(temperature=0, max_tokens=64))
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+from collections.abc import Iterator
+from pathlib import Path
+
+from tqdm import tqdm
+
+from specdecode.engine.sequence import RequestOutput, Sequence, SpecStats
+from specdecode.engine.step import StepRunner
+from specdecode.errors import ConfigError
+from specdecode.model.loading import load_model, resolve_device
+from specdecode.model.tokenizer import Tokenizer
+from specdecode.sampling import SamplingParams
+from specdecode.spec.config import SpeculativeConfig, build_proposer
+
+
+def default_model_dir() -> Path:
+    from specdecode.models import DEFAULT_TARGET_DIR
+
+    return DEFAULT_TARGET_DIR
+
+
+class LLM:
+    def __init__(self, model: str | Path | None = None, dtype: str = "auto", device: str | None = None,
+                 speculative_config: dict | SpeculativeConfig | None = None, max_num_seqs: int = 32,
+                 max_model_len: int | None = None):
+        """model: a Hugging Face checkpoint directory (default: specdecode's bundled target).
+        speculative_config: vLLM-style dict, e.g. {"method": "ngram", "num_speculative_tokens": 8}."""
+        self.model_dir = Path(model) if model is not None else default_model_dir()
+        self.device = resolve_device(device)
+        self.target = load_model(self.model_dir, dtype=dtype, device=self.device)
+        self.tokenizer = Tokenizer(self.model_dir, self.target.config.eos_token_ids)
+        if max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = min(max_model_len or self.target.config.max_position_embeddings,
+                                 self.target.config.max_position_embeddings)
+        self.spec_config = SpeculativeConfig.parse(speculative_config)
+        self.proposer = build_proposer(self.spec_config, self.target, self.tokenizer, dtype, self.device)
+        self.runner = StepRunner(self.target, self.proposer)
+        self.total_stats = SpecStats()
+        self._ids = itertools.count()
+
+    # -- requests -------------------------------------------------------------------------------------------
+
+    def make_sequence(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, list(prompt)
+        if not ids:
+            raise ConfigError("the prompt is empty; give at least one token of text")
+        if len(ids) >= self.max_model_len:
+            raise ConfigError(f"the prompt has {len(ids)} tokens but the model's context is {self.max_model_len}; "
+                              "shorten the prompt")
+        return Sequence(request_id or str(next(self._ids)), text, ids, params, self.tokenizer,
+                        self.tokenizer.eos_token_ids)
+
+    def budget(self, seq: Sequence) -> int:
+        """How many draft tokens to verify for this sequence this step (fixed K, capped by what is left)."""
+        if self.proposer is None or not seq.params.use_speculation:
+            return 0
+        left = min(seq.params.max_tokens - seq.num_generated, self.max_model_len - len(seq.token_ids))
+        return max(0, min(self.spec_config.num_speculative_tokens, left - 1))
+
+    # -- generation -----------------------------------------------------------------------------------------
+
+    def generate(self, prompts: str | list[str] | list[list[int]],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate for every prompt; sequences run as one batch (up to max_num_seqs at once)."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ConfigError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        seqs = [self.make_sequence(p, sp) for p, sp in zip(prompts, params)]
+        bar = tqdm(total=len(seqs), desc="generate", disable=not use_tqdm)
+        for _ in self._run(seqs):
+            bar.n = sum(s.finished for s in seqs)
+            bar.refresh()
+        bar.close()
+        return [s.output() for s in seqs]
+
+    def stream(self, prompt: str, params: SamplingParams) -> Iterator[str]:
+        """Yield the text of one prompt as it is generated."""
+        seq = self.make_sequence(prompt, params)
+        for deltas in self._run([seq]):
+            if deltas.get(seq.request_id):
+                yield deltas[seq.request_id]
+        self.last_stats = seq.stats
+
+    def _run(self, seqs: list[Sequence]) -> Iterator[dict[str, str]]:
+        """Continuous batching over a fixed list of sequences; yields {request_id: new text} per step."""
+        longest = max(min(len(s.token_ids) + s.params.max_tokens, self.max_model_len) for s in seqs)
+        tree = self.spec_config.tree_size if self.proposer is not None else 0
+        self.runner.ensure_capacity(min(len(seqs), self.max_num_seqs), longest, tree)
+        free = list(range(min(len(seqs), self.max_num_seqs)))[::-1]
+        waiting = collections.deque(seqs)
+        running: list[Sequence] = []
+        while waiting or running:
+            joining = []
+            while waiting and free:
+                seq = waiting.popleft()
+                seq.slot = free.pop()
+                joining.append(seq)
+            deltas = {}
+            if joining:
+                deltas.update(zip((s.request_id for s in joining), self.runner.prefill(joining)))
+                running += joining
+            active = [s for s in running if not s.finished]
+            if active and not joining:
+                budgets = [self.budget(s) for s in active]
+                deltas.update(zip((s.request_id for s in active), self.runner.step(active, budgets)))
+            for seq in [s for s in running if s.finished]:
+                running.remove(seq)
+                free.append(seq.slot)
+                if self.proposer is not None:
+                    self.proposer.remove(seq)
+                self.total_stats.merge(seq.stats)
+            yield deltas

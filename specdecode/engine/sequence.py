@@ -1,0 +1,158 @@
+"""A request in flight (its tokens, cache slot, random generator, statistics) and the outputs users receive."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from specdecode.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from specdecode.sampling import SamplingParams
+
+
+@dataclasses.dataclass
+class SpecStats:
+    """Counters of one request (or of many, summed). Rates are derived, never stored."""
+
+    steps: int = 0
+    """Target passes after prefill."""
+    drafts: int = 0
+    """Steps in which a non-empty draft was verified."""
+    draft_tokens: int = 0
+    """Draft tokens proposed (tree nodes)."""
+    accepted_tokens: int = 0
+    """Draft tokens accepted by the verifier."""
+    emitted_tokens: int = 0
+    """Tokens appended to the output (accepted + one correction/bonus per step, + the prefill token)."""
+    accepted_per_pos: list[int] = dataclasses.field(default_factory=list)
+    """accepted_per_pos[i]: steps whose accepted path reached depth i + 1."""
+    draft_time: float = 0.0
+    """Seconds spent proposing (wall time of the batched steps this request took part in)."""
+    verify_time: float = 0.0
+    """Seconds spent in target passes and verification."""
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / proposed draft tokens (for a tree, proposed counts every node)."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def mean_accepted_len(self) -> float:
+        """Tokens emitted per target step (accepted + 1), the quantity that buys the speedup."""
+        return (self.accepted_tokens + self.steps) / self.steps if self.steps else 0.0
+
+    def record_step(self, draft_len: int, accepted: int, draft_time: float, verify_time: float) -> None:
+        self.steps += 1
+        self.drafts += draft_len > 0
+        self.draft_tokens += draft_len
+        self.accepted_tokens += accepted
+        self.draft_time += draft_time
+        self.verify_time += verify_time
+        if accepted > len(self.accepted_per_pos):
+            self.accepted_per_pos.extend([0] * (accepted - len(self.accepted_per_pos)))
+        for i in range(accepted):
+            self.accepted_per_pos[i] += 1
+
+    def merge(self, other: "SpecStats") -> None:
+        for f in dataclasses.fields(self):
+            if f.name != "accepted_per_pos":
+                setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        for i, n in enumerate(other.accepted_per_pos):
+            if i < len(self.accepted_per_pos):
+                self.accepted_per_pos[i] += n
+            else:
+                self.accepted_per_pos.append(n)
+
+    def as_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out.update(acceptance_rate=self.acceptance_rate, mean_accepted_len=self.mean_accepted_len)
+        return out
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: SpecStats
+
+
+class Sequence:
+    """One request being generated. Invariant between steps: the target cache holds every token but the last."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
+                 tokenizer: Tokenizer, eos_ids: list[int]):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.params = params
+        self.token_ids = list(prompt_ids)
+        self.num_prompt = len(prompt_ids)
+        self.slot = -1
+        self.generator = torch.Generator().manual_seed(
+            params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
+        self.stats = SpecStats()
+        self.eos_ids = set() if params.ignore_eos else set(eos_ids)
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids)
+        self.text = ""
+        self.finish_reason: str | None = None
+        self._stop_scan_from = 0
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt:]
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def uniforms(self, n: int) -> list[float]:
+        return torch.rand(n, generator=self.generator, dtype=torch.float64).tolist()
+
+    def append(self, new_ids: list[int], max_len: int) -> str:
+        """Add generated tokens, apply EOS / max_tokens / stop strings / context limit; returns the new text."""
+        params = self.params
+        room = params.max_tokens - self.num_generated
+        kept = []
+        for token in new_ids[:room]:
+            kept.append(token)
+            if token in self.eos_ids:
+                self.finish_reason = "stop"
+                break
+        self.token_ids.extend(kept)
+        if not self.finished and (self.num_generated >= params.max_tokens or len(self.token_ids) >= max_len):
+            self.finish_reason = "length"
+        delta = self.detokenizer.add(kept)
+        if self.finished:
+            delta += self.detokenizer.add([], final=True)
+        if params.stop and delta:
+            before = len(self.text)
+            self.text += delta
+            # Only the new text (plus the longest stop string's overlap) needs scanning.
+            start = max(0, before - max(map(len, params.stop)) + 1)
+            hits = [i for i in (self.text.find(s, start) for s in params.stop) if i >= 0]
+            if hits:
+                self.text = self.text[:min(hits)]
+                self.finish_reason = "stop"
+                return self.text[before:] if len(self.text) > before else ""
+            return delta
+        self.text += delta
+        return delta
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.token_ids[:self.num_prompt],
+            outputs=[CompletionOutput(0, self.text, self.output_ids, self.finish_reason)],
+            finished=self.finished, metrics=self.stats)

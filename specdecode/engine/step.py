@@ -1,0 +1,149 @@
+"""The one loop: propose -> verify (one batched target pass over every sequence's tree) -> commit.
+
+Plain decoding is the same loop with empty trees. Between steps the target's cache holds every token of a
+sequence but the last (the "pending" token): a step feeds [pending, tree nodes...] per row.
+"""
+from __future__ import annotations
+
+import functools
+import time
+
+import torch
+
+from specdecode.engine.sequence import Sequence
+from specdecode.model.llama import LlamaForCausalLM
+from specdecode.sampling import params_tensors, processed_probs, sample_from
+from specdecode.spec.proposers.base import Proposer
+from specdecode.spec.tree import DraftTree, tree_shape
+from specdecode.spec.verify import VerifyResult, verify_greedy, verify_sampling
+
+
+@functools.lru_cache(maxsize=4096)
+def verify_layout(parents: tuple[int, ...], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mask [width, width] and position offsets [width] of [root, nodes..., padding] for one tree."""
+    n = len(parents)
+    mask = torch.zeros(width, width, dtype=torch.bool)
+    mask[:, 0] = True  # everyone sees the root (padding too: its output is never read)
+    mask[1:n + 1, 1:n + 1] = tree_shape(parents).attention_mask
+    mask[range(width), range(width)] = True
+    offsets = torch.ones(width, dtype=torch.long)
+    offsets[0] = 0
+    offsets[1:n + 1] += tree_shape(parents).depths
+    return mask, offsets
+
+
+class StepRunner:
+    def __init__(self, target: LlamaForCausalLM, proposer: Proposer | None):
+        self.target = target
+        self.proposer = proposer
+        self.cache = None
+        self.max_len = 0
+
+    def ensure_capacity(self, slots: int, max_len: int, tree_size: int) -> None:
+        """Caches for `slots` sequences of up to max_len tokens, plus room for one verified tree."""
+        self.max_len = max_len
+        need = max_len + tree_size + 2
+        if self.cache is None or self.cache.num_slots < slots or self.cache.max_len < need:
+            self.cache = self.target.make_cache(slots, need)
+        if self.proposer is not None and hasattr(self.proposer, "ensure_cache"):
+            self.proposer.ensure_cache(slots, need)
+
+    @torch.no_grad()
+    def prefill(self, seqs: list[Sequence]) -> list[str]:
+        """Run the prompts, draw each sequence's first token, register the sequences with the proposer."""
+        device = self.target.device
+        start = time.perf_counter()
+        slots = torch.tensor([s.slot for s in seqs])
+        self.cache.reset(slots)
+        lens = [len(s.token_ids) for s in seqs]
+        width = max(lens)
+        ids = torch.tensor([s.token_ids + [0] * (width - len(s.token_ids)) for s in seqs], device=device)
+        hidden = self.target(ids, cache=self.cache, slots=slots, compute_logits=False).hidden
+        last = hidden[torch.arange(len(seqs), device=device), torch.tensor(lens, device=device) - 1]  # [B, D]
+        logits = self.target.lm_head(last)  # [B, V]
+        self.cache.advance(slots, torch.tensor(lens))
+        first = self._sample_roots(seqs, logits)
+        elapsed = time.perf_counter() - start
+        deltas = []
+        for seq, token in zip(seqs, first):
+            seq.stats.verify_time += elapsed
+            deltas.append(self._append(seq, [token]))
+            # The cache holds the prompt and the first token is pending; the proposer starts from the same state.
+            if self.proposer is not None and not seq.finished:
+                self.proposer.add(seq)
+        return deltas
+
+    def _sample_roots(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
+        if all(s.params.greedy for s in seqs):
+            return logits.argmax(-1).tolist()
+        probs = processed_probs(logits, *params_tensors([s.params for s in seqs], device=logits.device)).cpu()
+        return [sample_from(probs[i], s.uniforms(1)[0]) for i, s in enumerate(seqs)]
+
+    def _append(self, seq: Sequence, tokens: list[int]) -> str:
+        before = seq.num_generated
+        delta = seq.append(tokens, self.max_len)
+        seq.stats.emitted_tokens += seq.num_generated - before
+        return delta
+
+    @torch.no_grad()
+    def step(self, seqs: list[Sequence], budgets: list[int]) -> list[str]:
+        """One speculative step for every sequence; returns the new text of each."""
+        device = self.target.device
+        t0 = time.perf_counter()
+        if self.proposer is not None and any(budgets):
+            trees = self.proposer.propose(seqs, budgets)
+        else:
+            trees = [DraftTree.empty() for _ in seqs]
+        t1 = time.perf_counter()
+
+        B = len(seqs)
+        width = 1 + max(len(t) for t in trees)
+        slots = torch.tensor([s.slot for s in seqs])
+        ids = torch.zeros(B, width, dtype=torch.long)
+        ids[:, 0] = torch.tensor([s.token_ids[-1] for s in seqs])
+        for b, tree in enumerate(trees):
+            ids[b, 1:1 + len(tree)] = tree.tokens
+        if width == 1:
+            out = self.target(ids.to(device), cache=self.cache, slots=slots)
+        else:
+            layouts = [verify_layout(t.parents, width) for t in trees]
+            mask = torch.stack([m for m, _ in layouts])  # [B, W, W]
+            positions = self.cache.lengths[slots][:, None] + torch.stack([o for _, o in layouts])  # [B, W]
+            out = self.target(ids.to(device), positions=positions.to(device), cache=self.cache, slots=slots,
+                              tree_mask=mask.to(device))
+        results = self._verify(seqs, trees, out.logits)
+
+        A = max(len(r.accepted) for r in results) + 1
+        kept = torch.tensor([[0] + [c + 1 for c in r.accepted] + [0] * (A - 1 - len(r.accepted))
+                             for r in results])  # [B, A]
+        self.cache.commit(slots, kept, torch.tensor([1 + len(r.accepted) for r in results]))
+        t2 = time.perf_counter()
+
+        deltas = []
+        for seq, tree, result in zip(seqs, trees, results):
+            tokens = tree.tokens[result.accepted].tolist() + [result.next_token]
+            seq.stats.record_step(len(tree), len(result.accepted), t1 - t0, t2 - t1)
+            deltas.append(self._append(seq, tokens))
+        if self.proposer is not None:
+            self.proposer.observe(seqs, trees, results)
+        return deltas
+
+    def _verify(self, seqs: list[Sequence], trees: list[DraftTree], logits: torch.Tensor) -> list[VerifyResult]:
+        """logits [B, W, V] at [root, nodes...] of each row."""
+        results: list[VerifyResult | None] = [None] * len(seqs)
+        greedy = [b for b, s in enumerate(seqs) if s.params.greedy]
+        sampled = [b for b, s in enumerate(seqs) if not s.params.greedy]
+        if greedy:
+            argmax = logits[greedy].argmax(-1).tolist()  # the step's one host synchronisation (greedy rows)
+            for row, b in zip(argmax, greedy):
+                results[b] = verify_greedy(trees[b], row)
+        if sampled:
+            W, V = logits.shape[1], logits.shape[2]
+            params = [seqs[b].params for b in sampled]
+            p = processed_probs(logits[sampled].reshape(-1, V),
+                                *params_tensors(params, [W] * len(sampled), device=logits.device))
+            p = p.view(len(sampled), W, V).cpu()
+            for row, b in enumerate(sampled):
+                n = len(trees[b])
+                results[b] = verify_sampling(trees[b], p[row, :n + 1], seqs[b].uniforms(n + 2))
+        return results

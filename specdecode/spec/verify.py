@@ -1,0 +1,74 @@
+"""The one verifier: target probabilities at every tree node + the draft tree -> accepted path + next token.
+
+Node 0 of the target's rows is the root (the last committed token, whose distribution proposes the tree's
+first level); row i + 1 belongs to tree node i. Greedy walks down the target's argmax. Sampling is lossless:
+at each node the children are tried in order with the multi-draft rule of SpecInfer (for one child it is the
+Leviathan/Chen rule): child x drawn from q is accepted with probability min(1, p(x)/q(x)); on rejection
+p <- norm(max(0, p - q)) and the next child is tried; if every child is rejected the next token is drawn from
+what is left of p; at a leaf the bonus token is drawn from p. One-hot drafts (draft_probs None) have q = onehot(x),
+so rejection zeroes p(x). p and q must already be processed (temperature, top-k, top-p).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from specdecode.sampling import sample_from
+from specdecode.spec.tree import DraftTree
+
+
+@dataclasses.dataclass
+class VerifyResult:
+    accepted: list[int]
+    """Tree node indices of the accepted path, root to leaf (possibly empty)."""
+    next_token: int
+    """The target's own token after the accepted path: the correction, or the bonus when all was accepted."""
+
+
+def verify_greedy(tree: DraftTree, target_argmax: list[int]) -> VerifyResult:
+    """target_argmax [n + 1]: the target's argmax at the root and at every node."""
+    children = tree.shape.children
+    tokens = tree.tokens.tolist()
+    accepted: list[int] = []
+    node = -1
+    while True:
+        want = target_argmax[node + 1]
+        match = next((c for c in children[node + 1] if tokens[c] == want), None)
+        if match is None:
+            return VerifyResult(accepted, want)
+        accepted.append(match)
+        node = match
+
+
+def verify_sampling(tree: DraftTree, p_all: torch.Tensor, uniforms: list[float]) -> VerifyResult:
+    """p_all [n + 1, V]: target probabilities at the root and at every node. uniforms: one per decision
+    (at most 2 * (n + 1) are used), drawn from the request's generator."""
+    children = tree.shape.children
+    tokens = tree.tokens.tolist()
+    q_all = None if tree.draft_probs is None else tree.draft_probs.to(p_all.device)
+    draws = iter(uniforms)
+    accepted: list[int] = []
+    node = -1
+    while True:
+        p = p_all[node + 1]
+        for child in children[node + 1]:
+            x = tokens[child]
+            q_x = 1.0 if q_all is None else float(q_all[child, x])
+            # u < p(x) / q(x)  <=>  accept with probability min(1, p(x) / q(x)).
+            if next(draws) * q_x < float(p[x]):
+                accepted.append(child)
+                node = child
+                break
+            if q_all is None:
+                residual = p.clone()
+                residual[x] = 0.0
+            else:
+                residual = (p - q_all[child]).clamp_(min=0.0)
+            total = float(residual.sum())
+            if total <= 0.0:  # only when p == q up to rounding; then rejection had probability zero
+                residual = p
+                total = float(residual.sum())
+            p = residual / total
+        else:
+            return VerifyResult(accepted, sample_from(p, next(draws)))

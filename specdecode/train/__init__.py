@@ -1,0 +1,1 @@
+"""Training of specdecode's own models: tokenizer, target pretraining, draft distillation, evaluation."""

@@ -1,0 +1,169 @@
+"""`specdecode train tokenizer | lm | distill | all` and `specdecode eval`."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shlex
+import sys
+from pathlib import Path
+
+from specdecode.train import loop, recipe
+
+
+def _add_train_config(parser: argparse.ArgumentParser, defaults: loop.TrainConfig) -> None:
+    for field in dataclasses.fields(loop.TrainConfig):
+        value = getattr(defaults, field.name)
+        parser.add_argument("--" + field.name.replace("_", "-"), type=type(value), default=value,
+                            help=f"(default {value})")
+
+
+def _train_config(args) -> loop.TrainConfig:
+    return loop.TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(loop.TrainConfig)})
+
+
+def _add_shape(parser: argparse.ArgumentParser, defaults: dict) -> None:
+    for name, value in defaults.items():
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=value, help=f"(default {value})")
+
+
+def _shape(args, defaults: dict) -> dict:
+    return {name: getattr(args, name) for name in defaults}
+
+
+def _corpus_arg(parser: argparse.ArgumentParser) -> None:
+    from specdecode.train.data import default_corpus_dir
+
+    parser.add_argument("--corpus", type=Path, default=default_corpus_dir(),
+                        help="folder of text files (default: this interpreter's standard library)")
+    parser.add_argument("--pattern", default="*.py", help="which files of the corpus to read (default *.py)")
+    parser.add_argument("--heldout-fraction", type=float, default=0.05, help="share of files held out")
+
+
+def _split(args):
+    from specdecode.train import data
+
+    docs = data.read_documents(args.corpus, args.pattern)
+    return data.split_documents(docs, args.heldout_fraction)
+
+
+def cmd_tokenizer(args) -> int:
+    train_docs, _ = _split(args)
+    seconds = recipe.run_tokenizer_stage(train_docs, args.out, args.vocab_size, args.model_max_length)
+    print(f"tokenizer trained on {len(train_docs)} files in {seconds:.1f}s -> {args.out}")
+    return 0
+
+
+def cmd_lm(args) -> int:
+    from specdecode.model.tokenizer import Tokenizer
+    from specdecode.train import data
+
+    train_docs, _ = _split(args)
+    tokens = data.tokenize_documents(train_docs, Tokenizer(args.tokenizer), args.run_dir / "train_tokens.npy")
+    cfg = _train_config(args)
+    config = recipe.model_config(_shape(args, recipe.TARGET_SHAPE), args.tokenizer, cfg.seq_len)
+    model, summary = recipe.run_lm_stage(config, tokens, cfg, args.run_dir / "lm", args.resume)
+    recipe.export(model, args.tokenizer, args.out)
+    print(json.dumps({"parameters": recipe.param_count(model), **summary}))
+    return 0
+
+
+def cmd_distill(args) -> int:
+    from specdecode.model.loading import load_model
+    from specdecode.model.tokenizer import Tokenizer
+    from specdecode.train import data
+
+    train_docs, _ = _split(args)
+    tokens = data.tokenize_documents(train_docs, Tokenizer(args.target), args.run_dir / "train_tokens.npy")
+    cfg = _train_config(args)
+    target = load_model(args.target, dtype="float32", device="cpu")
+    config = recipe.model_config(_shape(args, recipe.DRAFT_SHAPE), args.target, cfg.seq_len)
+    draft, summary = recipe.run_distill_stage(target, config, tokens, cfg, args.run_dir / "distill", args.resume,
+                                              args.ce_weight)
+    recipe.export(draft, args.target, args.out)
+    print(json.dumps({"parameters": recipe.param_count(draft), **summary}))
+    return 0
+
+
+def cmd_all(args) -> int:
+    command = "specdecode " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:] else ""
+    stages = recipe.run_all(args.out, args.run_dir, args.corpus, args.resume, args.heldout_fraction,
+                            eval_tokens=args.eval_tokens, command=command)
+    print(json.dumps(stages["eval"], indent=2))
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from specdecode.model.loading import load_model
+    from specdecode.model.tokenizer import Tokenizer
+    from specdecode.train import data
+    from specdecode.train.evaluate import evaluate
+
+    listing = data.load_heldout_list(args.heldout)
+    corpus = Path(args.corpus or listing["corpus"])
+    docs = [data.Document(rel, (corpus / rel).read_text(encoding="utf-8")) for rel in listing["files"]]
+    target = load_model(args.target, dtype="float32", device="cpu")
+    draft = load_model(args.draft, dtype="float32", device="cpu") if args.draft else None
+    figures = evaluate(target, draft, Tokenizer(args.target), docs, max_tokens=args.max_tokens,
+                       seq_len=args.seq_len, prompts=args.prompts, new_tokens=args.new_tokens)
+    print(json.dumps(figures, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
+    return 0
+
+
+def register(sub) -> None:
+    from specdecode.models import DEFAULT_DRAFT_DIR, DEFAULT_TARGET_DIR
+
+    train = sub.add_parser("train", help="train a tokenizer, a target model or a distilled draft")
+    stages = train.add_subparsers(dest="stage", required=True, metavar="STAGE")
+
+    p = stages.add_parser("tokenizer", help="train a byte-level BPE tokenizer on a folder of text")
+    _corpus_arg(p)
+    p.add_argument("--out", type=Path, required=True, help="output folder for tokenizer.json and its configs")
+    p.add_argument("--vocab-size", type=int, default=recipe.VOCAB_SIZE)
+    p.add_argument("--model-max-length", type=int, default=recipe.SEQ_LEN)
+    p.set_defaults(func=cmd_tokenizer)
+
+    p = stages.add_parser("lm", help="pretrain a Llama-architecture model with next-token cross-entropy")
+    _corpus_arg(p)
+    p.add_argument("--tokenizer", type=Path, required=True, help="folder made by `specdecode train tokenizer`")
+    p.add_argument("--run-dir", type=Path, required=True, help="checkpoints, logs and the token cache go here")
+    p.add_argument("--out", type=Path, required=True, help="Hugging Face folder for the trained model")
+    p.add_argument("--resume", action="store_true", help="continue from the run folder's last checkpoint")
+    _add_shape(p, recipe.TARGET_SHAPE)
+    _add_train_config(p, recipe.TARGET_TRAIN)
+    p.set_defaults(func=cmd_lm)
+
+    p = stages.add_parser("distill", help="distil a small draft model from a target (KL to its distributions)")
+    _corpus_arg(p)
+    p.add_argument("--target", type=Path, required=True, help="Hugging Face folder of the target (and tokenizer)")
+    p.add_argument("--run-dir", type=Path, required=True, help="checkpoints, logs and the token cache go here")
+    p.add_argument("--out", type=Path, required=True, help="Hugging Face folder for the draft")
+    p.add_argument("--resume", action="store_true", help="continue from the run folder's last checkpoint")
+    p.add_argument("--ce-weight", type=float, default=recipe.DISTILL_CE_WEIGHT,
+                   help="weight of cross-entropy on the data mixed into the KL loss")
+    _add_shape(p, recipe.DRAFT_SHAPE)
+    _add_train_config(p, recipe.DRAFT_TRAIN)
+    p.set_defaults(func=cmd_distill)
+
+    p = stages.add_parser("all", help="the whole recipe of the bundled models, then evaluation and model card")
+    _corpus_arg(p)
+    p.add_argument("--out", type=Path, default=DEFAULT_TARGET_DIR.parent, help="where target/, draft/ go")
+    p.add_argument("--run-dir", type=Path, default=Path("runs/recipe"), help="checkpoints and logs")
+    p.add_argument("--resume", action="store_true", help="reuse finished stages, continue the interrupted one")
+    p.add_argument("--eval-tokens", type=int, default=131072, help="held-out tokens scored by the evaluation")
+    p.set_defaults(func=cmd_all)
+
+    p = sub.add_parser("eval", help="held-out loss of a target and how well a draft predicts it")
+    p.add_argument("--target", type=Path, default=DEFAULT_TARGET_DIR)
+    p.add_argument("--draft", type=Path, default=DEFAULT_DRAFT_DIR, help="draft folder ('' for target only)")
+    p.add_argument("--heldout", type=Path, default=DEFAULT_TARGET_DIR.parent / "heldout.json",
+                   help="held-out file list written by `specdecode train all`")
+    p.add_argument("--corpus", type=Path, default=None, help="corpus root (default: the one in the list)")
+    p.add_argument("--max-tokens", type=int, default=131072, help="held-out tokens to score")
+    p.add_argument("--seq-len", type=int, default=recipe.SEQ_LEN)
+    p.add_argument("--prompts", type=int, default=64, help="prompts for the greedy-agreement measurement")
+    p.add_argument("--new-tokens", type=int, default=64, help="greedy tokens generated per prompt")
+    p.add_argument("--json", type=Path, default=None, help="also write the figures to this file")
+    p.set_defaults(func=cmd_eval)

@@ -1,0 +1,146 @@
+"""The training loop shared by pretraining and distillation: AdamW, warmup + cosine schedule, gradient
+clipping, a progress bar, JSON-lines loss log, periodic checkpoints and exact resume.
+
+Batches are a function of (seed, step) and the checkpoint holds the model, the optimizer and the step, so a run
+resumed from a checkpoint takes exactly the steps the uninterrupted run would have taken.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from specdecode.errors import ConfigError
+from specdecode.train.data import sample_windows
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Optimisation settings of one training stage."""
+
+    steps: int = 1000
+    """Number of optimizer steps."""
+    batch_size: int = 8
+    """Sequences per step."""
+    seq_len: int = 256
+    """Tokens per sequence."""
+    lr: float = 1e-3
+    """Peak learning rate."""
+    min_lr_ratio: float = 0.1
+    """The cosine schedule ends at lr * min_lr_ratio."""
+    warmup_steps: int = 50
+    """Linear warmup from 0 to lr."""
+    weight_decay: float = 0.1
+    """AdamW weight decay (matrices only; norms and embeddings are not decayed)."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip."""
+    seed: int = 0
+    """Seeds the initialisation and the batch sampling."""
+    checkpoint_every: int = 50
+    """Steps between checkpoints."""
+    log_every: int = 10
+    """Steps between log lines."""
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size", "seq_len", "checkpoint_every", "log_every"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0 <= self.warmup_steps <= self.steps:
+            raise ConfigError(f"warmup_steps must be in [0, steps], got {self.warmup_steps}")
+
+    def lr_at(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        progress = (step - self.warmup_steps) / max(1, self.steps - self.warmup_steps)
+        cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+        return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * cosine)
+
+
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    decay, no_decay = [], []
+    seen = set()
+    for name, p in model.named_parameters():
+        if id(p) in seen or not p.requires_grad:
+            continue
+        seen.add(id(p))
+        (decay if p.ndim >= 2 and "embed" not in name else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+def checkpoint_path(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoint.pt"
+
+
+def save_checkpoint(run_dir: Path, model, optimizer, state: dict) -> None:
+    path = checkpoint_path(run_dir)
+    tmp = path.with_suffix(".tmp")
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), **state}, tmp)
+    tmp.replace(path)  # atomic: an interruption never leaves a half-written checkpoint
+
+
+LossFn = Callable[[torch.nn.Module, torch.Tensor], tuple[torch.Tensor, dict]]
+"""loss_fn(model, batch [B, T+1]) -> (loss to minimise, extra floats to log)."""
+
+
+def train(model: torch.nn.Module, loss_fn: LossFn, tokens: np.ndarray, cfg: TrainConfig, run_dir: Path,
+          resume: bool = False, desc: str = "train") -> dict:
+    """Run (or finish) a training stage; return its summary (steps, tokens seen, wall time, last losses)."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    optimizer = make_optimizer(model, cfg)
+    state = {"step": 0, "tokens_seen": 0, "wall_time_s": 0.0, "train_config": dataclasses.asdict(cfg)}
+    log_path = run_dir / "log.jsonl"
+    if resume and checkpoint_path(run_dir).is_file():
+        ckpt = torch.load(checkpoint_path(run_dir), map_location="cpu", weights_only=False)
+        model.load_state_dict(ckpt.pop("model"))
+        optimizer.load_state_dict(ckpt.pop("optimizer"))
+        state.update({k: ckpt[k] for k in ("step", "tokens_seen", "wall_time_s")})
+        if ckpt["train_config"] != dataclasses.asdict(cfg):
+            raise ConfigError(f"the checkpoint in {run_dir} was made with different settings "
+                              f"({ckpt['train_config']}); resume with the same ones or use a new run folder")
+    elif log_path.exists():
+        log_path.unlink()
+    model.train()
+    started, wall_before = time.time(), state["wall_time_s"]
+    bar = tqdm(total=cfg.steps, initial=state["step"], desc=desc, unit="step", dynamic_ncols=True)
+    recent = []
+    with open(log_path, "a") as log:
+        while state["step"] < cfg.steps:
+            step = state["step"]
+            lr = cfg.lr_at(step)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            batch = torch.from_numpy(sample_windows(tokens, cfg.batch_size, cfg.seq_len, cfg.seed, step))
+            loss, extra = loss_fn(model, batch)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            optimizer.step()
+            state["step"] = step + 1
+            state["tokens_seen"] += cfg.batch_size * cfg.seq_len
+            state["wall_time_s"] = wall_before + time.time() - started
+            recent.append(float(loss))
+            bar.update(1)
+            if state["step"] % cfg.log_every == 0 or state["step"] == cfg.steps:
+                mean_loss = sum(recent) / len(recent)
+                recent = []
+                record = {"step": state["step"], "loss": round(mean_loss, 5), "lr": lr,
+                          "grad_norm": round(float(grad_norm), 4), "tokens_seen": state["tokens_seen"],
+                          "wall_time_s": round(state["wall_time_s"], 1),
+                          **{k: round(float(v), 5) for k, v in extra.items()}}
+                log.write(json.dumps(record) + "\n")
+                log.flush()
+                bar.set_postfix(loss=f"{mean_loss:.3f}", lr=f"{lr:.2e}")
+            if state["step"] % cfg.checkpoint_every == 0 or state["step"] == cfg.steps:
+                save_checkpoint(run_dir, model, optimizer, state)
+    bar.close()
+    model.eval()
+    return {k: state[k] for k in ("step", "tokens_seen", "wall_time_s")}

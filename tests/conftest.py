@@ -1,0 +1,67 @@
+"""Shared fixtures: tiny random checkpoints (target + drafts) with a real byte-level BPE tokenizer."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from specdecode.model.config import ModelConfig
+from specdecode.model.llama import LlamaForCausalLM
+from specdecode.model.loading import save_model
+
+CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
+    "for i in range(10):\n    print(i * i)\n",
+    "import os\nimport sys\n\nif __name__ == '__main__':\n    sys.exit(main())\n",
+    "Speculative decoding drafts tokens cheaply and verifies them with the target model.",
+] * 20
+
+
+def write_tokenizer(folder: Path, vocab_size: int = 300) -> None:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|bos|>", "<|eos|>", "<|pad|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>", "add_bos_token": True,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "chat_template": "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}<|assistant|>{% endif %}"}))
+
+
+def make_checkpoint(folder: Path, tokenizer_dir: Path, seed: int, layers: int = 2, hidden: int = 64,
+                    base: LlamaForCausalLM | None = None, noise: float = 0.0) -> LlamaForCausalLM:
+    vocab = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).get_vocab_size()
+    config = ModelConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         bos_token_id=0, eos_token_id=1)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3 if p.dim() > 1 else 0.05).add_(1.0 if p.dim() == 1 else 0.0)
+        if base is not None:  # a draft that agrees with the target often but not always
+            for p, q in zip(model.parameters(), base.parameters()):
+                p.copy_(q + noise * torch.randn_like(q))
+    save_model(model, folder, dtype=torch.float32)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((tokenizer_dir / name).read_bytes())
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 1, "bos_token_id": 0}))
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """{"target": dir, "draft": dir (noisy copy of the target), "other_draft": dir (unrelated random model)}."""
+    root = tmp_path_factory.mktemp("tiny")
+    write_tokenizer(root / "tok")
+    target = make_checkpoint(root / "target", root / "tok", seed=0, layers=3)
+    make_checkpoint(root / "draft", root / "tok", seed=1, layers=3, base=target, noise=0.005)
+    make_checkpoint(root / "other_draft", root / "tok", seed=2, layers=1, hidden=32)
+    return {name: root / name for name in ("target", "draft", "other_draft", "tok")}
