@@ -5,6 +5,7 @@ sequence but the last (the "pending" token): a step feeds [pending, tree nodes..
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 
@@ -32,12 +33,29 @@ def verify_layout(parents: tuple[int, ...], width: int) -> tuple[torch.Tensor, t
     return mask, offsets
 
 
+@dataclasses.dataclass
+class StepReport:
+    """What the last step did, for the speculation controller and the metrics."""
+
+    width: int
+    """Tokens per row of the target pass (1 + the largest tree)."""
+    draft_time: float
+    """Seconds spent proposing."""
+    verify_time: float
+    """Seconds spent in the target pass, verification and commit."""
+    draft_lens: list[int]
+    """Draft tokens (tree nodes) verified for each sequence."""
+    accepted_lens: list[int]
+    """Draft tokens accepted for each sequence."""
+
+
 class StepRunner:
     def __init__(self, target: LlamaForCausalLM, proposer: Proposer | None):
         self.target = target
         self.proposer = proposer
         self.cache = None
         self.max_len = 0
+        self.last_report: StepReport | None = None
 
     def ensure_capacity(self, slots: int, max_len: int, tree_size: int) -> None:
         """Caches for `slots` sequences of up to max_len tokens, plus room for one verified tree."""
@@ -126,6 +144,8 @@ class StepRunner:
             deltas.append(self._append(seq, tokens))
         if self.proposer is not None:
             self.proposer.observe(seqs, trees, results)
+        self.last_report = StepReport(width, t1 - t0, t2 - t1, [len(t) for t in trees],
+                                      [len(r.accepted) for r in results])
         return deltas
 
     def _verify(self, seqs: list[Sequence], trees: list[DraftTree], logits: torch.Tensor) -> list[VerifyResult]:

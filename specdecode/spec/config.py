@@ -27,12 +27,19 @@ class SpeculativeConfig:
     """ngram: shortest n-gram matched."""
     disable_by_batch_size: int | None = None
     """Stop speculating when this many sequences run at once."""
+    adaptive: bool = False
+    """Choose the draft length per step (0..num_speculative_tokens) from measured costs and acceptance rates."""
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise ConfigError(f"speculative method {self.method!r} is unknown; use one of {', '.join(METHODS)}")
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
             raise ConfigError(f"num_speculative_tokens must be a positive integer, got {self.num_speculative_tokens!r}")
+        if self.disable_by_batch_size is not None and (not isinstance(self.disable_by_batch_size, int)
+                                                       or self.disable_by_batch_size < 1):
+            raise ConfigError(f"disable_by_batch_size must be a positive integer, got {self.disable_by_batch_size!r}")
+        if not isinstance(self.adaptive, bool):
+            raise ConfigError(f"adaptive must be true or false, got {self.adaptive!r}")
         if self.method == "draft_model" and not self.model:
             raise ConfigError('the draft_model method needs "model": the draft checkpoint directory')
 
