@@ -86,7 +86,9 @@ def cmd_distill(args) -> int:
 
 
 def cmd_all(args) -> int:
-    command = "specdecode " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:] else ""
+    # The command that reproduces the artifacts; --resume only says how it was run this time.
+    argv = [a for a in sys.argv[1:] if a != "--resume"]
+    command = "specdecode " + " ".join(shlex.quote(a) for a in argv) if argv else ""
     stages = recipe.run_all(args.out, args.run_dir, args.corpus, args.resume, args.heldout_fraction,
                             eval_tokens=args.eval_tokens, command=command)
     print(json.dumps(stages["eval"], indent=2))

@@ -32,6 +32,6 @@ def make_distill_loss(target: LlamaForCausalLM, ce_weight: float = 0.0):
         kl = kl_to_target(target_logits.reshape(-1, V), draft_logits.reshape(-1, V))
         ce = F.cross_entropy(draft_logits.reshape(-1, V), labels.reshape(-1))
         loss = (1 - ce_weight) * kl + ce_weight * ce
-        return loss, {"kl": float(kl), "ce": float(ce)}
+        return loss, {"kl": kl.item(), "ce": ce.item()}
 
     return loss_fn

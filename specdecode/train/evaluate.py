@@ -4,6 +4,7 @@ speculative sampling at temperature 1, E[sum_x min(p(x), q(x))], along held-out 
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import platform
@@ -122,7 +123,6 @@ def write_model_card(out_dir: Path, stages: dict, corpus: Path, command: str) ->
     """MODEL_CARD.md from the recipe's stage log (data, recipe, sizes, wall time, evaluation)."""
     out_dir = Path(out_dir)
     tk, tg, dr, ev = stages["tokenizer"], stages["target"], stages["draft"], stages["eval"]
-    import json
     t_cfg = json.loads((out_dir / "target" / "config.json").read_text())
     d_cfg = json.loads((out_dir / "draft" / "config.json").read_text())
     total_wall = sum(s.get("wall_time_s", 0.0) for s in stages.values())
@@ -151,7 +151,7 @@ nothing else: a demonstration pair, not a general-purpose assistant.
 | folder | `target/` | `draft/` |
 | parameters | {tg['parameters']:,} | {dr['parameters']:,} ({dr['parameters'] / tg['parameters']:.3f} of the target) |
 | shape | {shape(t_cfg)} | {shape(d_cfg)} |
-| training | next-token cross-entropy | distilled from the target: 0.9 x KL(p_target ‖ q_draft) + {dr['ce_weight']} x cross-entropy (mix weights {1 - dr['ce_weight']:.1f}/{dr['ce_weight']}) |
+| training | next-token cross-entropy | distilled from the target: {1 - dr['ce_weight']:g} x KL(p_target ‖ q_draft) + {dr['ce_weight']:g} x cross-entropy |
 | tokens seen | {tg['tokens_seen']:,} | {dr['tokens_seen']:,} |
 | training wall time | {tg['wall_time_s'] / 60:.1f} min | {dr['wall_time_s'] / 60:.1f} min |
 | held-out loss (nats/token) | {ev['target_loss']} (perplexity {ev['target_perplexity']}) | {ev['draft_loss']} (perplexity {ev['draft_perplexity']}) |

@@ -106,6 +106,10 @@ def train(model: torch.nn.Module, loss_fn: LossFn, tokens: np.ndarray, cfg: Trai
         if ckpt["train_config"] != dataclasses.asdict(cfg):
             raise ConfigError(f"the checkpoint in {run_dir} was made with different settings "
                               f"({ckpt['train_config']}); resume with the same ones or use a new run folder")
+        if log_path.exists():  # drop what was logged after the checkpoint: those steps are taken again
+            kept = [line for line in log_path.read_text().splitlines()
+                    if line and json.loads(line)["step"] <= state["step"]]
+            log_path.write_text("".join(line + "\n" for line in kept))
     elif log_path.exists():
         log_path.unlink()
     model.train()
@@ -127,7 +131,7 @@ def train(model: torch.nn.Module, loss_fn: LossFn, tokens: np.ndarray, cfg: Trai
             state["step"] = step + 1
             state["tokens_seen"] += cfg.batch_size * cfg.seq_len
             state["wall_time_s"] = wall_before + time.time() - started
-            recent.append(float(loss))
+            recent.append(loss.item())
             bar.update(1)
             if state["step"] % cfg.log_every == 0 or state["step"] == cfg.steps:
                 mean_loss = sum(recent) / len(recent)
