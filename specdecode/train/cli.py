@@ -38,6 +38,20 @@ def _corpus_arg(parser: argparse.ArgumentParser) -> None:
                         help="folder of text files (default: this interpreter's standard library)")
     parser.add_argument("--pattern", default="*.py", help="which files of the corpus to read (default *.py)")
     parser.add_argument("--heldout-fraction", type=float, default=0.05, help="share of files held out")
+    _threads_arg(parser)
+
+
+def _threads_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads for torch (default: torch's choice, one per core); on a shared machine "
+                             "one thread per process avoids the stalls of oversubscribed cores")
+
+
+def _set_threads(args) -> None:
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
 
 
 def _split(args):
@@ -48,6 +62,7 @@ def _split(args):
 
 
 def cmd_tokenizer(args) -> int:
+    _set_threads(args)
     train_docs, _ = _split(args)
     seconds = recipe.run_tokenizer_stage(train_docs, args.out, args.vocab_size, args.model_max_length)
     print(f"tokenizer trained on {len(train_docs)} files in {seconds:.1f}s -> {args.out}")
@@ -55,6 +70,7 @@ def cmd_tokenizer(args) -> int:
 
 
 def cmd_lm(args) -> int:
+    _set_threads(args)
     from specdecode.model.tokenizer import Tokenizer
     from specdecode.train import data
 
@@ -69,6 +85,7 @@ def cmd_lm(args) -> int:
 
 
 def cmd_distill(args) -> int:
+    _set_threads(args)
     from specdecode.model.loading import load_model
     from specdecode.model.tokenizer import Tokenizer
     from specdecode.train import data
@@ -86,6 +103,7 @@ def cmd_distill(args) -> int:
 
 
 def cmd_all(args) -> int:
+    _set_threads(args)
     # The command that reproduces the artifacts; --resume only says how it was run this time.
     argv = [a for a in sys.argv[1:] if a != "--resume"]
     command = "specdecode " + " ".join(shlex.quote(a) for a in argv) if argv else ""
@@ -96,6 +114,7 @@ def cmd_all(args) -> int:
 
 
 def cmd_eval(args) -> int:
+    _set_threads(args)
     from specdecode.model.loading import load_model
     from specdecode.model.tokenizer import Tokenizer
     from specdecode.train import data
@@ -168,4 +187,5 @@ def register(sub) -> None:
     p.add_argument("--prompts", type=int, default=64, help="prompts for the greedy-agreement measurement")
     p.add_argument("--new-tokens", type=int, default=64, help="greedy tokens generated per prompt")
     p.add_argument("--json", type=Path, default=None, help="also write the figures to this file")
+    _threads_arg(p)
     p.set_defaults(func=cmd_eval)

@@ -27,9 +27,9 @@ TARGET_SHAPE = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=6
 DRAFT_SHAPE = dict(hidden_size=192, intermediate_size=640, num_hidden_layers=2, num_attention_heads=4)
 """~2.6M parameters (< 1/8 of the target); two layers, so that it can learn to copy from its context."""
 
-TARGET_TRAIN = loop.TrainConfig(steps=640, batch_size=4, seq_len=SEQ_LEN, lr=2e-3, warmup_steps=40, seed=0,
+TARGET_TRAIN = loop.TrainConfig(steps=800, batch_size=2, seq_len=SEQ_LEN, lr=1.5e-3, warmup_steps=40, seed=0,
                                 checkpoint_every=25)
-DRAFT_TRAIN = loop.TrainConfig(steps=480, batch_size=4, seq_len=SEQ_LEN, lr=3e-3, warmup_steps=30, seed=1,
+DRAFT_TRAIN = loop.TrainConfig(steps=600, batch_size=2, seq_len=SEQ_LEN, lr=2e-3, warmup_steps=30, seed=1,
                                checkpoint_every=25)
 DISTILL_CE_WEIGHT = 0.1
 
