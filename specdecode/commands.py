@@ -12,4 +12,9 @@ def _train(sub):
     register(sub)
 
 
-REGISTRY = [_generate, _train]
+def _serve(sub):
+    from specdecode.server.cli import register
+    register(sub)
+
+
+REGISTRY = [_generate, _serve, _train]

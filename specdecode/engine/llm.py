@@ -5,13 +5,13 @@
 """
 from __future__ import annotations
 
-import collections
 import itertools
 from collections.abc import Iterator
 from pathlib import Path
 
 from tqdm import tqdm
 
+from specdecode.engine.scheduler import Scheduler
 from specdecode.engine.sequence import RequestOutput, Sequence, SpecStats
 from specdecode.engine.step import StepRunner
 from specdecode.errors import ConfigError
@@ -19,6 +19,7 @@ from specdecode.model.loading import load_model, resolve_device
 from specdecode.model.tokenizer import Tokenizer
 from specdecode.sampling import SamplingParams
 from specdecode.spec.config import SpeculativeConfig, build_proposer
+from specdecode.spec.control import SpecController, measure_costs
 
 
 def default_model_dir() -> Path:
@@ -45,6 +46,7 @@ class LLM:
         self.spec_config = SpeculativeConfig.parse(speculative_config)
         self.proposer = build_proposer(self.spec_config, self.target, self.tokenizer, dtype, self.device)
         self.runner = StepRunner(self.target, self.proposer)
+        self.controller = self.make_controller() if self.spec_config and self.spec_config.adaptive else None
         self.total_stats = SpecStats()
         self._ids = itertools.count()
 
@@ -63,12 +65,31 @@ class LLM:
         return Sequence(request_id or str(next(self._ids)), text, ids, params, self.tokenizer,
                         self.tokenizer.eos_token_ids)
 
-    def budget(self, seq: Sequence) -> int:
-        """How many draft tokens to verify for this sequence this step (fixed K, capped by what is left)."""
+    def make_controller(self) -> SpecController:
+        """An adaptive speculation controller, after timing this machine's target passes and draft forwards."""
+        config = self.spec_config
+        nodes_per_level = config.num_drafts if config.method == "draft_model" else 1
+        costs = measure_costs(self.target, getattr(self.proposer, "model", None), self.max_num_seqs,
+                              config.num_speculative_tokens, nodes_per_level)
+        return SpecController(costs, config.num_speculative_tokens, nodes_per_level)
+
+    def budget(self, seq: Sequence, k: int | None = None) -> int:
+        """How many draft tokens to verify for this sequence this step (k, default fixed K, capped by what is left)."""
         if self.proposer is None or not seq.params.use_speculation:
             return 0
+        k = self.spec_config.num_speculative_tokens if k is None else k
         left = min(seq.params.max_tokens - seq.num_generated, self.max_model_len - len(seq.token_ids))
-        return max(0, min(self.spec_config.num_speculative_tokens, left - 1))
+        return max(0, min(k, left - 1))
+
+    def budgets(self, seqs: list[Sequence]) -> list[int]:
+        """Draft tokens per sequence for one step: the controller's choice (fixed K without one), none at all
+        once disable_by_batch_size sequences run."""
+        config = self.spec_config
+        if self.proposer is None or (config.disable_by_batch_size is not None
+                                     and len(seqs) >= config.disable_by_batch_size):
+            return [0] * len(seqs)
+        k = self.controller.choose(seqs) if self.controller is not None else config.num_speculative_tokens
+        return [self.budget(s, k) for s in seqs]
 
     # -- generation -----------------------------------------------------------------------------------------
 
@@ -102,28 +123,10 @@ class LLM:
         """Continuous batching over a fixed list of sequences; yields {request_id: new text} per step."""
         longest = max(min(len(s.token_ids) + s.params.max_tokens, self.max_model_len) for s in seqs)
         tree = self.spec_config.tree_size if self.proposer is not None else 0
-        self.runner.ensure_capacity(min(len(seqs), self.max_num_seqs), longest, tree)
-        free = list(range(min(len(seqs), self.max_num_seqs)))[::-1]
-        waiting = collections.deque(seqs)
-        running: list[Sequence] = []
-        while waiting or running:
-            joining = []
-            while waiting and free:
-                seq = waiting.popleft()
-                seq.slot = free.pop()
-                joining.append(seq)
-            deltas = {}
-            if joining:
-                deltas.update(zip((s.request_id for s in joining), self.runner.prefill(joining)))
-                running += joining
-            active = [s for s in running if not s.finished]
-            if active and not joining:
-                budgets = [self.budget(s) for s in active]
-                deltas.update(zip((s.request_id for s in active), self.runner.step(active, budgets)))
-            for seq in [s for s in running if s.finished]:
-                running.remove(seq)
-                free.append(seq.slot)
-                if self.proposer is not None:
-                    self.proposer.remove(seq)
-                self.total_stats.merge(seq.stats)
-            yield deltas
+        slots = min(len(seqs), self.max_num_seqs)
+        self.runner.ensure_capacity(slots, longest, tree)
+        scheduler = Scheduler(self, slots)
+        for seq in seqs:
+            scheduler.add(seq)
+        while scheduler.has_work:
+            yield scheduler.step().deltas

@@ -1,0 +1,97 @@
+"""Prometheus metrics of one engine, named like vLLM's, in a registry of its own (never the global default one,
+so two engines in a process, or tests, do not collide). Counters only count; rates are left to the dashboard.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from specdecode.engine.scheduler import SchedulerOutput
+
+PREFIX = "specdecode:"
+SPEEDUP_DECAY = 0.98
+"""Weight of the past in the realised-speedup gauge (it follows roughly the last 50 steps)."""
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
+                    20.0, 40.0, 80.0)
+_STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class EngineMetrics:
+    def __init__(self, max_positions: int = 16):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.num_drafts = Counter(PREFIX + "spec_decode_num_drafts", "Sequence-steps that verified a draft.",
+                                  registry=r)
+        self.num_draft_tokens = Counter(PREFIX + "spec_decode_num_draft_tokens", "Draft tokens proposed.",
+                                        registry=r)
+        self.num_accepted_tokens = Counter(PREFIX + "spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                                           registry=r)
+        self.num_emitted_tokens = Counter(PREFIX + "spec_decode_num_emitted_tokens",
+                                          "Tokens emitted by speculative steps (accepted + one per step).",
+                                          registry=r)
+        self.accepted_per_pos = Counter(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                        "Draft tokens accepted at each draft position (0-based).", ["position"],
+                                        registry=r)
+        self._pos_children = [self.accepted_per_pos.labels(position=str(i)) for i in range(max_positions)]
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens prefilled.", registry=r)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.", registry=r)
+        self.requests = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
+                                ["finished_reason"], registry=r)
+        self.draft_time = Histogram(PREFIX + "spec_decode_draft_time_seconds", "Time proposing, per step.",
+                                    buckets=_STEP_BUCKETS, registry=r)
+        self.verify_time = Histogram(PREFIX + "spec_decode_verify_time_seconds",
+                                     "Time in the target pass, verification and commit, per step.",
+                                     buckets=_STEP_BUCKETS, registry=r)
+        self.accepted_per_step = Histogram(PREFIX + "spec_decode_accepted_tokens_per_step",
+                                           "Draft tokens accepted per sequence per step that drafted.",
+                                           buckets=tuple(range(max_positions + 1)), registry=r)
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Arrival to first token.",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds",
+                             "Time between successive deliveries of new tokens to a request.",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Arrival to the last token.",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.running = Gauge(PREFIX + "num_requests_running", "Requests holding a cache slot.", registry=r)
+        self.waiting = Gauge(PREFIX + "num_requests_waiting", "Requests queued for a slot.", registry=r)
+        self.speedup = Gauge(PREFIX + "spec_decode_realised_speedup",
+                             "Recent tokens emitted x measured plain-step time / actual time (1 = plain decoding).",
+                             registry=r)
+        self.speedup.set(1.0)
+        self._plain_equivalent = 0.0  # decayed seconds plain decoding would have taken for the same tokens
+        self._actual = 0.0  # decayed seconds actually taken
+
+    def record_step(self, out: SchedulerOutput, emitted: list[int], plain_step_time: float | None) -> None:
+        """A decode step: `emitted[i]` tokens went to out.stepped[i]; plain_step_time = the cost model's estimate of
+        a plain step at this batch size (None without a cost model)."""
+        report = out.report
+        self.draft_time.observe(report.draft_time)
+        self.verify_time.observe(report.verify_time)
+        drafts = draft_tokens = accepted_tokens = spec_emitted = 0
+        for drafted, accepted, n in zip(report.draft_lens, report.accepted_lens, emitted):
+            if not drafted:
+                continue
+            drafts += 1
+            draft_tokens += drafted
+            accepted_tokens += accepted
+            spec_emitted += n
+            self.accepted_per_step.observe(accepted)
+            for pos in range(min(accepted, len(self._pos_children))):
+                self._pos_children[pos].inc()
+        if drafts:
+            self.num_drafts.inc(drafts)
+            self.num_draft_tokens.inc(draft_tokens)
+            self.num_accepted_tokens.inc(accepted_tokens)
+            self.num_emitted_tokens.inc(spec_emitted)
+        total = sum(emitted)
+        self.generation_tokens.inc(total)
+        if plain_step_time is not None and out.stepped:
+            # Plain decoding emits one token per sequence per step.
+            plain = total / len(out.stepped) * plain_step_time
+            self._plain_equivalent = SPEEDUP_DECAY * self._plain_equivalent + plain
+            self._actual = SPEEDUP_DECAY * self._actual + out.wall_time
+            self.speedup.set(self._plain_equivalent / self._actual)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of this registry."""
+        return generate_latest(self.registry)

@@ -1,0 +1,265 @@
+"""The OpenAI-compatible HTTP API over an AsyncEngine: /v1/completions, /v1/chat/completions (both with
+"stream": true as server-sent events), /v1/models, /health and Prometheus /metrics.
+
+Every request is checked here, before the engine sees it; anything wrong is a 4xx in OpenAI's error format.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from specdecode.engine.async_engine import (AsyncEngine, EngineDead, EngineOverloaded, RequestAborted,
+                                            RequestFailed, RequestStream)
+from specdecode.errors import ConfigError
+from specdecode.sampling import SamplingParams
+from specdecode.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request, parse
+
+MAX_PROMPT_CHARS_PER_TOKEN = 64
+"""Prompts longer than this many characters per context token are refused before tokenisation."""
+
+
+def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) -> FastAPI:
+    app = FastAPI(title="specdecode", docs_url=None, redoc_url=None, openapi_url=None)
+    llm = engine.llm
+    created = int(time.time())
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        headers = {"Retry-After": "1"} if exc.status in (429, 503) else None
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        return JSONResponse(APIError(exc.status_code, str(exc.detail), type="invalid_request_error").body(),
+                            status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        return JSONResponse(APIError(500, f"internal error: {exc}", type="internal_error").body(), status_code=500)
+
+    if api_key is not None:
+        app.add_middleware(_RequireKey, api_key=api_key)
+
+    @app.get("/health")
+    async def health():
+        if not engine.alive:
+            return JSONResponse({"status": "engine stopped"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "specdecode", "max_model_len": llm.max_model_len}]}
+
+    def sampling_params(req, prompt_len: int, max_tokens: int | None) -> SamplingParams:
+        room = llm.max_model_len - prompt_len
+        if max_tokens is None:
+            max_tokens = room
+        if isinstance(max_tokens, int) and max_tokens > room:
+            raise bad_request(f"this model's context is {llm.max_model_len} tokens; the prompt has {prompt_len} "
+                              f"and max_tokens is {max_tokens}: ask for at most {room} tokens or shorten the prompt",
+                              "max_tokens")
+        fields = {"max_tokens": max_tokens, "stop": req.stop, "seed": req.seed, "ignore_eos": req.ignore_eos,
+                  "use_speculation": req.use_speculation}
+        for name in ("temperature", "top_p", "top_k"):
+            if getattr(req, name) is not None:
+                fields[name] = getattr(req, name)
+        try:
+            return SamplingParams(**fields)
+        except ConfigError as exc:  # its messages start with the field's name
+            field = str(exc).split(" ", 1)[0]
+            raise bad_request(str(exc), field if field in fields else None) from None
+
+    def tokenize(prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise bad_request("the prompt is empty", "prompt")
+            if len(prompt) > MAX_PROMPT_CHARS_PER_TOKEN * llm.max_model_len:
+                raise bad_request(f"the prompt is longer than the model's context of {llm.max_model_len} tokens",
+                                  "prompt")
+            ids = llm.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        else:
+            ids = prompt
+            vocab = llm.target.config.vocab_size
+            if any(not 0 <= t < vocab for t in ids):
+                raise bad_request(f"prompt token ids must be in [0, {vocab})", "prompt")
+        if not ids:
+            raise bad_request("the prompt is empty", "prompt")
+        if len(ids) >= llm.max_model_len:
+            raise bad_request(f"the prompt has {len(ids)} tokens but this model's context is {llm.max_model_len}; "
+                              "shorten the prompt", "prompt")
+        return ids
+
+    def check_model(req) -> None:
+        if req.model is not None and req.model != model_name:
+            raise APIError(404, f"the model {req.model!r} does not exist; this server serves {model_name!r}",
+                           param="model", code="model_not_found")
+
+    def submit(ids: list[int], params: SamplingParams, request_id: str) -> RequestStream:
+        try:
+            return engine.add_request(ids, params, request_id)
+        except ConfigError as exc:
+            raise bad_request(str(exc)) from None
+        except EngineOverloaded as exc:
+            raise APIError(503, str(exc), type="server_overloaded", code="queue_full") from None
+        except EngineDead as exc:
+            raise APIError(503, str(exc), type="server_error") from None
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = parse(CompletionRequest, await request.body())
+        check_model(req)
+        prompt = req.single_prompt()
+        ids = tokenize(prompt)
+        params = sampling_params(req, len(ids), req.max_tokens)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        stream = submit(ids, params, request_id)
+        echo = prompt if req.echo and isinstance(prompt, str) else (llm.tokenizer.decode(ids) if req.echo else "")
+
+        def chunk(text: str, finish_reason: str | None) -> dict:
+            return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model_name,
+                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+
+        if req.stream:
+            async def events() -> AsyncIterator[str]:
+                if echo:
+                    yield _sse(chunk(echo, None))
+                async for body in _stream_chunks(stream, lambda d: chunk(d.text, d.finish_reason),
+                                                 _include_usage(req), request_id, model_name, "text_completion"):
+                    yield body
+            return _sse_response(events())
+        text, finish_reason, usage = await _collect(stream, request)
+        body = chunk(echo + text, finish_reason)
+        body["usage"] = usage
+        return body
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = parse(ChatCompletionRequest, await request.body())
+        check_model(req)
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            text = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except Exception as exc:  # the checkpoint's Jinja template rejected these messages
+            raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from None
+        # A template that writes the BOS token itself must not get a second one from the tokenizer.
+        bos = llm.tokenizer.bos_token
+        ids = tokenize(text, add_special_tokens=not (bos and text.startswith(bos)))
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = sampling_params(req, len(ids), max_tokens)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        stream = submit(ids, params, request_id)
+
+        def chunk(delta: dict, finish_reason: str | None) -> dict:
+            return {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()),
+                    "model": model_name,
+                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+
+        if req.stream:
+            async def events() -> AsyncIterator[str]:
+                yield _sse(chunk({"role": "assistant", "content": ""}, None))
+                async for body in _stream_chunks(stream, lambda d: chunk({"content": d.text} if d.text else {},
+                                                                         d.finish_reason),
+                                                 _include_usage(req), request_id, model_name, "chat.completion.chunk"):
+                    yield body
+            return _sse_response(events())
+        text, finish_reason, usage = await _collect(stream, request)
+        return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model_name,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                             "finish_reason": finish_reason}],
+                "usage": usage}
+
+    return app
+
+
+class _RequireKey:
+    """ASGI middleware: /v1 routes need `Authorization: Bearer KEY` (health and metrics stay open)."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                error = APIError(401, "invalid or missing API key: send 'Authorization: Bearer KEY'",
+                                 code="invalid_api_key")
+                await JSONResponse(error.body(), status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _include_usage(req) -> bool:
+    return req.stream_options is not None and req.stream_options.include_usage
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _sse(body: dict) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+def _sse_response(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _stream_chunks(stream: RequestStream, make_chunk, include_usage: bool, request_id: str, model_name: str,
+                         obj: str) -> AsyncIterator[str]:
+    """SSE events for one request. If the client goes away, Starlette cancels this generator and `finally`
+    aborts the request, which frees its slot."""
+    last = None
+    try:
+        async for delta in stream:
+            last = delta
+            if delta.text or delta.finish_reason is not None:
+                yield _sse(make_chunk(delta))
+    except (RequestFailed, EngineDead) as exc:
+        yield _sse(APIError(500, str(exc), type="server_error").body())
+    finally:
+        stream.abort()
+    if include_usage and last is not None:
+        yield _sse({"id": request_id, "object": obj, "created": int(time.time()), "model": model_name,
+                    "choices": [], "usage": _usage(last.prompt_tokens, last.completion_tokens)})
+    yield "data: [DONE]\n\n"
+
+
+async def _collect(stream: RequestStream, request: Request) -> tuple[str, str | None, dict]:
+    """Whole text, finish reason and usage of a non-streaming request; aborts it if the client disconnects."""
+
+    async def watch_disconnect():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        stream.abort()
+
+    watcher = asyncio.create_task(watch_disconnect())
+    parts, last = [], None
+    try:
+        async for delta in stream:
+            parts.append(delta.text)
+            last = delta
+    except RequestAborted:
+        raise APIError(499, "the client closed the request") from None
+    except (RequestFailed, EngineDead) as exc:
+        raise APIError(500, str(exc), type="server_error") from None
+    finally:
+        watcher.cancel()
+        stream.abort()
+    return "".join(parts), last.finish_reason, _usage(last.prompt_tokens, last.completion_tokens)

@@ -1,0 +1,143 @@
+"""OpenAI's request bodies (the fields specdecode honours) and its error format.
+
+Bodies are validated strictly (no "0.5" for a number, no NaN) so that nothing malformed reaches the engine;
+fields OpenAI defines that specdecode does not implement are refused with a 400 rather than silently ignored.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's format: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    include_usage: bool = False
+
+
+class _Request(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model: str | None = None
+    temperature: float | None = Field(None, allow_inf_nan=False)
+    top_p: float | None = Field(None, allow_inf_nan=False)
+    top_k: int | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=-(2 ** 63), lt=2 ** 64)
+    presence_penalty: float | None = Field(None, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(None, allow_inf_nan=False)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    ignore_eos: bool = False
+    """specdecode extension: keep generating after an end-of-sequence token."""
+    use_speculation: bool = True
+    """specdecode extension: false decodes this request without speculation."""
+
+    def check_supported(self) -> None:
+        if self.n != 1:
+            raise bad_request("only n=1 is supported; send several requests for several completions", "n")
+        if self.presence_penalty or self.frequency_penalty:
+            raise bad_request("presence_penalty and frequency_penalty are not supported (they would change the "
+                              "model's distribution); leave them at 0", "presence_penalty")
+        if self.logit_bias:
+            raise bad_request("logit_bias is not supported", "logit_bias")
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.logprobs is not None:
+            raise bad_request("logprobs are not supported", "logprobs")
+        if self.best_of not in (None, 1):
+            raise bad_request("best_of is not supported", "best_of")
+        if self.suffix:
+            raise bad_request("suffix is not supported", "suffix")
+
+    def single_prompt(self) -> str | list[int]:
+        """The prompt as text or token ids (a list holding one prompt is accepted too)."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise bad_request("only one prompt per request is supported; send one request per prompt",
+                                  "prompt")
+            prompt = prompt[0]
+        return prompt
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.logprobs or self.top_logprobs:
+            raise bad_request("logprobs are not supported", "logprobs")
+        if self.tools:
+            raise bad_request("tools are not supported", "tools")
+
+
+def parse(model: type[BaseModel], body: bytes):
+    """Validate a JSON body; any problem becomes a 400 naming the offending field."""
+    try:
+        request = model.model_validate_json(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        if first["type"] == "json_invalid":
+            raise bad_request(f"the request body is not valid JSON: {first['msg']}") from None
+        param = ".".join(str(p) for p in first["loc"]) or None
+        where = f"{param}: " if param else ""
+        raise bad_request(f"{where}{first['msg']}", param) from None
+    request.check_supported()
+    return request

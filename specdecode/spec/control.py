@@ -1,0 +1,251 @@
+"""How many tokens to draft each step: costs measured on this machine plus each request's acceptance rate.
+
+With a per-level acceptance rate a, drafting K levels yields E = (1 - a^(K+1)) / (1 - a) tokens per step. A step
+over B sequences costs target(B, K) + K * draft(B) + overhead(B); the controller picks the K in {0..K_max} with
+the most expected tokens per second, K = 0 being plain decoding. At a large batch the target pass is compute
+bound, verifying K more tokens per row costs about K times more, and the best K becomes 0 by itself.
+"""
+from __future__ import annotations
+
+import bisect
+import time
+
+import torch
+
+SCALE_RATE = 0.1
+"""Weight of a new measurement in the running measured/calibrated cost ratios and overheads."""
+
+
+class Curve:
+    """Seconds as a function of batch size: linear between measured points, flat before the first point,
+    extended along the last segment after the last one (proportionally when there is one point)."""
+
+    def __init__(self, points: dict[int, float]):
+        self.xs = sorted(points)
+        self.ys = [float(points[x]) for x in self.xs]
+
+    def __call__(self, x: float) -> float:
+        xs, ys = self.xs, self.ys
+        if x <= xs[0]:
+            return ys[0]
+        if len(xs) == 1:
+            return ys[0] * x / xs[0]
+        i = min(bisect.bisect_left(xs, x), len(xs) - 1)
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+class CostModel:
+    """Step time as a function of batch size B and draft length K.
+
+    The shapes come from a start-up measurement (or synthetic points in tests): target[k][B] = seconds of a target
+    pass over B rows verifying k draft levels, draft[B] = seconds of one draft forward. Running ratios of measured
+    to calibrated time rescale them to the machine's current speed, and the rest of a step (Python bookkeeping,
+    commit, proposer updates) is measured per batch size, separately for plain and speculative steps.
+    """
+
+    def __init__(self, target: dict[int, dict[int, float]], draft: dict[int, float] | None, max_batch: int):
+        self.max_k = max(target)
+        self.target = [Curve(target[k]) for k in range(self.max_k + 1)]
+        self.draft = Curve(draft) if draft else None
+        self.max_batch = max_batch
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget online measurements (keep the calibrated shapes)."""
+        self.target_scale = 1.0
+        self.draft_scale = 1.0
+        self.overhead: dict[bool, list[float | None]] = {False: [None] * (self.max_batch + 1),
+                                                         True: [None] * (self.max_batch + 1)}
+
+    def target_time(self, batch: int, k: int) -> float:
+        return self.target_scale * self.target[min(k, self.max_k)](batch)
+
+    def draft_time(self, batch: int, k: int) -> float:
+        return self.draft_scale * k * self.draft(batch) if self.draft is not None and k else 0.0
+
+    def overhead_time(self, batch: int, speculative: bool) -> float:
+        """Measured rest-of-step time; falls back to the other kind of step, then to the nearest batch size."""
+        batch = min(batch, self.max_batch)
+        for table in (self.overhead[speculative], self.overhead[not speculative]):
+            if table[batch] is not None:
+                return table[batch]
+        for table in (self.overhead[speculative], self.overhead[not speculative]):
+            known = [b for b in range(1, self.max_batch + 1) if table[b] is not None]
+            if known:
+                nearest = min(known, key=lambda b: abs(b - batch))
+                return table[nearest] * batch / nearest
+        return 0.0
+
+    def step_time(self, batch: int, k: int) -> float:
+        return self.target_time(batch, k) + self.draft_time(batch, k) + self.overhead_time(batch, k > 0)
+
+    def observe(self, batch: int, verified_k: int, draft_k: int, draft_time: float, verify_time: float,
+                wall_time: float) -> None:
+        """One step over `batch` rows: the target verified `verified_k` levels, the draft ran `draft_k` forwards."""
+        expected = self.target[min(verified_k, self.max_k)](batch)
+        if expected > 0:
+            self.target_scale += SCALE_RATE * (verify_time / expected - self.target_scale)
+        modelled_draft = 0.0
+        if self.draft is not None and draft_k:
+            expected = draft_k * self.draft(batch)
+            if expected > 0:
+                self.draft_scale += SCALE_RATE * (draft_time / expected - self.draft_scale)
+            modelled_draft = draft_time
+        rest = max(0.0, wall_time - verify_time - modelled_draft)
+        table = self.overhead[draft_k > 0]
+        b = min(batch, self.max_batch)
+        table[b] = rest if table[b] is None else table[b] + SCALE_RATE * (rest - table[b])
+
+
+class SpecController:
+    """Chooses the draft length of each step and learns from what each step did.
+
+    Acceptance is counted per tree level: a step that drafted k levels and accepted n of them is n hits and, if
+    n < k, one miss, so a = hits / (hits + misses) is the per-level rate E is written in. Counts decay so that the
+    estimate follows the text; a request's own counts are backed by the engine-wide rate as a prior.
+    """
+
+    def __init__(self, costs: CostModel, max_k: int, nodes_per_level: int = 1, prior_acceptance: float = 0.7,
+                 prior_weight: float = 2.0, decay: float = 0.95, probe_every: int = 16):
+        self.costs = costs
+        self.max_k = max_k
+        self.nodes_per_level = nodes_per_level
+        self.prior_weight = prior_weight
+        self.decay = decay
+        self.probe_every = probe_every
+        self.fixed_k: int | None = None
+        """Set to always draft this many levels (benchmarks of fixed K); costs are still measured."""
+        self.global_counts = [prior_acceptance * 10.0, (1.0 - prior_acceptance) * 10.0]  # hits, misses
+        self.counts: dict[str, list[float]] = {}
+        self.steps_since_draft = 0
+        self.last_choice = 0
+
+    def reset(self, prior_acceptance: float = 0.7) -> None:
+        """Forget everything learned online."""
+        self.costs.reset()
+        self.global_counts = [prior_acceptance * 10.0, (1.0 - prior_acceptance) * 10.0]
+        self.counts.clear()
+        self.steps_since_draft = 0
+
+    # -- estimates ------------------------------------------------------------------------------------------
+
+    @property
+    def global_acceptance(self) -> float:
+        hits, misses = self.global_counts
+        return hits / (hits + misses)
+
+    def acceptance(self, request_id: str) -> float:
+        prior = self.global_acceptance
+        counts = self.counts.get(request_id)
+        if counts is None:
+            return prior
+        hits, misses = counts
+        return (hits + self.prior_weight * prior) / (hits + misses + self.prior_weight)
+
+    def best_k(self, batch: int, rates: list[float]) -> tuple[int, float]:
+        """(K, expected tokens/s) maximising throughput for `batch` rows of which len(rates) speculate."""
+        tokens = float(batch)  # K = 0: one token per row
+        best_k, best = 0, tokens / self.costs.step_time(batch, 0)
+        powers = [1.0] * len(rates)
+        for k in range(1, self.max_k + 1):
+            # E(K) = E(K - 1) + a^K
+            powers = [p * a for p, a in zip(powers, rates)]
+            tokens += sum(powers)
+            throughput = tokens / self.costs.step_time(batch, k)
+            if throughput > best:
+                best_k, best = k, throughput
+        return best_k, best
+
+    # -- per step -------------------------------------------------------------------------------------------
+
+    def choose(self, seqs) -> int:
+        """Draft levels for this step (0 = plain); sequences with speculation off are counted as plain rows."""
+        if self.fixed_k is not None:
+            self.last_choice = self.fixed_k
+            return self.fixed_k
+        rates = [self.acceptance(s.request_id) for s in seqs if s.params.use_speculation]
+        if not rates:
+            self.last_choice = 0
+            return 0
+        k, _ = self.best_k(len(seqs), rates)
+        if k == 0 and self.steps_since_draft >= self.probe_every:
+            # Acceptance is only learned while drafting: now and then re-measure it with one cheap level, but only
+            # where a good acceptance rate would make speculation pay at this batch size.
+            if self.best_k(len(seqs), [0.9] * len(rates))[0] > 0:
+                k = 1
+        self.last_choice = k
+        return k
+
+    def observe(self, seqs, report, wall_time: float) -> None:
+        """Learn from a finished step: `report` is the StepRunner's StepReport, wall_time the whole step."""
+        npl = self.nodes_per_level
+        verified_k = -(-(report.width - 1) // npl)
+        self.costs.observe(len(seqs), verified_k, self.last_choice, report.draft_time, report.verify_time, wall_time)
+        if not any(report.draft_lens):
+            self.steps_since_draft += 1
+            return
+        self.steps_since_draft = 0
+        g = self.global_counts
+        g[0] *= 0.99
+        g[1] *= 0.99
+        for seq, drafted, accepted in zip(seqs, report.draft_lens, report.accepted_lens):
+            if not drafted:
+                continue
+            miss = accepted < drafted // npl
+            counts = self.counts.get(seq.request_id)
+            if counts is None:
+                counts = self.counts[seq.request_id] = [0.0, 0.0]
+            counts[0] = counts[0] * self.decay + accepted
+            counts[1] = counts[1] * self.decay + miss
+            g[0] += accepted
+            g[1] += miss
+
+    def forget(self, request_id: str) -> None:
+        self.counts.pop(request_id, None)
+
+
+@torch.no_grad()
+def _timed_pass(model, cache, batch: int, width: int, context: int) -> float:
+    """Seconds of one cached forward over [batch, width] new tokens after `context` tokens (nothing committed)."""
+    device = model.device
+    cache.lengths[:batch] = context
+    ids = torch.zeros(batch, width, dtype=torch.long, device=device)
+    kwargs = {}
+    if width > 1:  # a chain, as the step runner verifies it
+        kwargs["positions"] = (context + torch.arange(width, device=device)).expand(batch, width)
+        mask = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+        kwargs["tree_mask"] = mask.expand(batch, width, width)
+    start = time.perf_counter()
+    out = model(ids, cache=cache, slots=torch.arange(batch), **kwargs)
+    out.logits.argmax(-1).tolist()  # waits for the device, as the verifier does
+    return time.perf_counter() - start
+
+
+def _best_times(model, cache, shapes: list[tuple[int, int]], context: int, repeats: int) -> dict:
+    """Best-of-`repeats` seconds per (batch, width). Rounds go over every shape in turn, so that a burst of
+    load from elsewhere on the machine spoils one sample of many shapes rather than every sample of one."""
+    best = {shape: float("inf") for shape in shapes}
+    for round_ in range(repeats + 1):  # round 0 warms up
+        for shape in shapes:
+            seconds = _timed_pass(model, cache, *shape, context)
+            if round_:
+                best[shape] = min(best[shape], seconds)
+    return best
+
+
+def measure_costs(target, draft, max_batch: int, max_k: int, nodes_per_level: int = 1, context: int = 128,
+                  repeats: int = 3) -> CostModel:
+    """Time target passes over the batch sizes and draft lengths the engine can use, and draft forwards (if the
+    proposer has a draft model), on this machine, at start-up."""
+    batches = sorted({1, max_batch} | {2 ** i for i in range(max_batch.bit_length()) if 2 ** i < max_batch})
+    widths = [1 + nodes_per_level * k for k in range(max_k + 1)]
+    cache = target.make_cache(max_batch, context + widths[-1] + 1)
+    times = _best_times(target, cache, [(b, w) for b in batches for w in widths], context, repeats)
+    target_points = {k: {b: times[b, w] for b in batches} for k, w in enumerate(widths)}
+    draft_points = None
+    if draft is not None:
+        times = _best_times(draft, draft.make_cache(max_batch, context + 2), [(b, 1) for b in batches], context,
+                            repeats)
+        draft_points = {b: times[b, 1] for b in batches}
+    return CostModel(target_points, draft_points, max_batch)

@@ -1,0 +1,164 @@
+"""The adaptive speculation controller against synthetic costs, and wired into LLM on tiny checkpoints."""
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from specdecode.engine.step import StepReport
+from specdecode.sampling import SamplingParams
+from specdecode.spec.control import CostModel, Curve, SpecController, measure_costs
+
+BATCHES = (1, 2, 4, 8, 16, 32)
+MAX_K = 5
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def synthetic_costs(memory_s=0.010, per_token_s=0.0005, draft_s=0.001, draft_per_seq_s=0.00002) -> CostModel:
+    """A roofline-shaped target: a pass costs max(weight reads, compute), compute growing with tokens verified."""
+    target = {k: {b: max(memory_s, per_token_s * b * (1 + k)) for b in BATCHES} for k in range(MAX_K + 1)}
+    draft = {b: draft_s + draft_per_seq_s * b for b in BATCHES}
+    return CostModel(target, draft, max_batch=32)
+
+
+def seqs_of(n, use_speculation=True):
+    return [SimpleNamespace(request_id=str(i), params=SamplingParams(use_speculation=use_speculation))
+            for i in range(n)]
+
+
+def brute_force_best(costs: CostModel, batch: int, a: float) -> int:
+    def throughput(k):
+        per_seq = (1 - a ** (k + 1)) / (1 - a)
+        return batch * per_seq / costs.step_time(batch, k)
+    return max(range(MAX_K + 1), key=throughput)
+
+
+def test_curve_interpolates_and_extrapolates():
+    curve = Curve({1: 1.0, 4: 4.0, 8: 6.0})
+    assert curve(1) == 1.0 and curve(0.5) == 1.0
+    assert curve(2) == pytest.approx(2.0)
+    assert curve(6) == pytest.approx(5.0)
+    assert curve(16) == pytest.approx(10.0)  # along the last segment
+    assert Curve({2: 3.0})(4) == pytest.approx(6.0)
+
+
+@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("a", [0.3, 0.6, 0.8, 0.95])
+def test_best_k_matches_brute_force(batch, a):
+    costs = synthetic_costs()
+    controller = SpecController(costs, MAX_K)
+    k, _ = controller.best_k(batch, [a] * batch)
+    assert k == brute_force_best(costs, batch, a)
+
+
+def test_speculates_when_memory_bound_and_not_when_compute_bound():
+    controller = SpecController(synthetic_costs(), MAX_K, prior_acceptance=0.8)
+    assert controller.choose(seqs_of(1)) >= 3
+    assert controller.choose(seqs_of(32)) == 0
+    # Between the two, the chosen draft length never grows with the batch.
+    chosen = [controller.choose(seqs_of(b)) for b in BATCHES]
+    assert chosen == sorted(chosen, reverse=True)
+
+
+def feed(controller, seqs, k, accept_prob, steps, rng):
+    for _ in range(steps):
+        accepted = []
+        for _ in seqs:
+            n = 0
+            while n < k and rng.random() < accept_prob:
+                n += 1
+            accepted.append(n)
+        controller.last_choice = k
+        report = StepReport(width=1 + k, draft_time=0.001 * k, verify_time=0.01, draft_lens=[k] * len(seqs),
+                            accepted_lens=accepted)
+        controller.observe(seqs, report, wall_time=0.012 + 0.001 * k)
+
+
+@pytest.mark.parametrize("a", [0.2, 0.5, 0.9])
+def test_acceptance_estimate_follows_truncated_geometric_draws(a):
+    controller = SpecController(synthetic_costs(), MAX_K, decay=0.99)
+    seqs = seqs_of(4)
+    feed(controller, seqs, k=4, accept_prob=a, steps=300, rng=random.Random(0))
+    for seq in seqs:
+        assert controller.acceptance(seq.request_id) == pytest.approx(a, abs=0.1)
+    assert controller.global_acceptance == pytest.approx(a, abs=0.08)
+
+
+def test_low_acceptance_turns_speculation_off_then_probes():
+    controller = SpecController(synthetic_costs(), MAX_K, probe_every=8)
+    seqs = seqs_of(1)
+    assert controller.choose(seqs) > 0
+    feed(controller, seqs, k=3, accept_prob=0.02, steps=60, rng=random.Random(1))
+    choices = []
+    for _ in range(20):
+        k = controller.choose(seqs)
+        choices.append(k)
+        controller.observe(seqs, StepReport(1 + k, 0.0, 0.01, [k], [0]), wall_time=0.011)
+    assert choices.count(0) >= 15
+    assert 1 in choices  # a probe re-measures the acceptance rate now and then
+
+
+def test_requests_without_speculation_count_as_plain_rows():
+    controller = SpecController(synthetic_costs(), MAX_K)
+    assert controller.choose(seqs_of(2, use_speculation=False)) == 0
+    mixed = seqs_of(1) + seqs_of(3, use_speculation=False)
+    # Only one of four rows gains from drafting, but all four pay for the wider pass: K must be smaller.
+    assert controller.choose(mixed) <= controller.choose(seqs_of(4))
+
+
+def test_costs_rescale_to_measurements_and_learn_overhead():
+    costs = synthetic_costs()
+    before = costs.step_time(4, 2)
+    for _ in range(100):
+        costs.observe(4, verified_k=2, draft_k=2, draft_time=2 * 2 * costs.draft(4),
+                      verify_time=2 * costs.target[2](4), wall_time=2 * costs.target[2](4) + 4 * costs.draft(4) + 0.003)
+    assert costs.target_scale == pytest.approx(2.0, rel=1e-3)
+    assert costs.draft_scale == pytest.approx(2.0, rel=1e-3)
+    assert costs.overhead_time(4, True) == pytest.approx(0.003, rel=1e-3)
+    assert costs.overhead_time(4, False) == pytest.approx(0.003, rel=1e-3)  # borrowed from speculative steps
+    assert costs.overhead_time(8, True) == pytest.approx(0.006, rel=1e-3)  # nearest batch, scaled
+    assert costs.step_time(4, 2) == pytest.approx(2 * before + 0.003, rel=1e-3)
+    costs.reset()
+    assert costs.step_time(4, 2) == pytest.approx(before)
+
+
+def test_fixed_k_overrides_the_choice():
+    controller = SpecController(synthetic_costs(), MAX_K)
+    controller.fixed_k = 2
+    assert controller.choose(seqs_of(32)) == 2
+
+
+def test_measure_costs_on_a_real_model(tiny_models):
+    from specdecode.model.loading import load_model
+
+    target = load_model(tiny_models["target"], dtype="float32", device="cpu")
+    costs = measure_costs(target, target, max_batch=3, max_k=2, context=16, repeats=1)
+    for k in range(3):
+        assert costs.target[k].xs == [1, 2, 3]
+        assert all(0 < t < 5 for t in costs.target[k].ys)
+    assert costs.draft.xs == [1, 2, 3] and all(t > 0 for t in costs.draft.ys)
+
+
+def test_adaptive_llm_is_lossless_and_respects_disable_by_batch_size(tiny_models):
+    from specdecode.engine.llm import LLM
+
+    prompts = ["def add(a, b):", "class Point:", "for i in range(10):"]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = LLM(tiny_models["target"], max_num_seqs=4).generate(prompts, params)
+    config = {"model": str(tiny_models["draft"]), "num_speculative_tokens": 3, "adaptive": True}
+    adaptive = LLM(tiny_models["target"], speculative_config=config, max_num_seqs=4)
+    assert adaptive.controller is not None
+    outputs = adaptive.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in plain]
+
+    disabled = LLM(tiny_models["target"], speculative_config={**config, "disable_by_batch_size": 3}, max_num_seqs=4)
+    outputs = disabled.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in plain]
+    assert disabled.total_stats.draft_tokens == 0
