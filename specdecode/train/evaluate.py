@@ -126,6 +126,7 @@ def write_model_card(out_dir: Path, stages: dict, corpus: Path, command: str) ->
     t_cfg = json.loads((out_dir / "target" / "config.json").read_text())
     d_cfg = json.loads((out_dir / "draft" / "config.json").read_text())
     total_wall = sum(s.get("wall_time_s", 0.0) for s in stages.values())
+    heldout_fraction = json.loads((out_dir / "heldout.json").read_text())["heldout_fraction"]
 
     def shape(c):
         return (f"hidden {c['hidden_size']}, {c['num_hidden_layers']} layers, {c['num_attention_heads']} heads, "
@@ -154,6 +155,7 @@ nothing else: a demonstration pair, not a general-purpose assistant.
 | training | next-token cross-entropy | distilled from the target: {1 - dr['ce_weight']:g} x KL(p_target ‖ q_draft) + {dr['ce_weight']:g} x cross-entropy |
 | tokens seen | {tg['tokens_seen']:,} | {dr['tokens_seen']:,} |
 | training wall time | {tg['wall_time_s'] / 60:.1f} min | {dr['wall_time_s'] / 60:.1f} min |
+| training throughput | {tg['tokens_seen'] / tg['wall_time_s']:.0f} tokens/s | {dr['tokens_seen'] / dr['wall_time_s']:.0f} tokens/s (target forward included) |
 | held-out loss (nats/token) | {ev['target_loss']} (perplexity {ev['target_perplexity']}) | {ev['draft_loss']} (perplexity {ev['draft_perplexity']}) |
 
 Format: Hugging Face folders (`config.json`, `model.safetensors` in bfloat16, `tokenizer.json`,
@@ -165,7 +167,7 @@ them (tested in tests/train/test_bundled_models.py). All artifacts: {_mb(out_dir
 - Corpus: the `*.py` files of the Python standard library of the interpreter that ran the recipe
   (`{corpus}`, found with `sysconfig`), without site-packages; files that are not UTF-8 or exceed 2 MB are skipped.
 - Split by file, deterministically: a file is held out when the first 8 bytes of sha256(relative path) / 2^64
-  fall below 0.05. {tk['train_files']} training files ({tk['train_chars']:,} characters,
+  fall below {heldout_fraction}. {tk['train_files']} training files ({tk['train_chars']:,} characters,
   {stages['pretokenize']['train_tokens']:,} tokens), {tk['heldout_files']} held-out files (listed in `heldout.json`).
 - Each file is encoded as `<|bos|> text <|eos|>` and the files are concatenated; training batches are random
   windows of that stream (a function of the seed and the step, so a resumed run sees the same batches).
@@ -185,6 +187,7 @@ tokenizer.json's post-processor does the same for transformers); generation stop
 - Wall time of the whole recipe: {total_wall / 60:.1f} min (tokenizer {tk['wall_time_s']:.0f} s,
   pre-tokenisation {stages['pretokenize']['wall_time_s']:.0f} s, target {tg['wall_time_s'] / 60:.1f} min,
   draft {dr['wall_time_s'] / 60:.1f} min, evaluation {ev['wall_time_s'] / 60:.1f} min).
+  Wall times are as measured; a machine shared with other jobs makes them longer than an idle one would.
 
 Reproduce every artifact here (checkpoints and logs go to `runs/recipe/`; after an interruption, run the same
 command with `--resume` to continue from the last checkpoint):
@@ -210,7 +213,7 @@ stream ({ev['heldout_tokens']:,} tokens). Greedy agreement: {ev['greedy_prompts'
 
 ## Limitations
 
-Tiny models trained for about an hour on two CPU cores: they write plausible-looking Python with frequent
+Tiny models trained for {total_wall / 60:.0f} minutes on a small CPU: they write plausible-looking Python with frequent
 mistakes and repeat themselves under greedy decoding. The trained context is {t_cfg['max_position_embeddings']} tokens.
 """
     (out_dir / "MODEL_CARD.md").write_text(lines)
