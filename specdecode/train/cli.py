@@ -75,7 +75,8 @@ def cmd_lm(args) -> int:
     from specdecode.train import data
 
     train_docs, _ = _split(args)
-    tokens = data.tokenize_documents(train_docs, Tokenizer(args.tokenizer), args.run_dir / "train_tokens.npy")
+    tokens = data.tokenize_documents(train_docs, Tokenizer(args.tokenizer),
+                                     data.token_cache_path(args.run_dir, args.tokenizer, train_docs))
     cfg = _train_config(args)
     config = recipe.model_config(_shape(args, recipe.TARGET_SHAPE), args.tokenizer, cfg.seq_len)
     model, summary = recipe.run_lm_stage(config, tokens, cfg, args.run_dir / "lm", args.resume)
@@ -91,7 +92,8 @@ def cmd_distill(args) -> int:
     from specdecode.train import data
 
     train_docs, _ = _split(args)
-    tokens = data.tokenize_documents(train_docs, Tokenizer(args.target), args.run_dir / "train_tokens.npy")
+    tokens = data.tokenize_documents(train_docs, Tokenizer(args.target),
+                                     data.token_cache_path(args.run_dir, args.target, train_docs))
     cfg = _train_config(args)
     target = load_model(args.target, dtype="float32", device="cpu")
     config = recipe.model_config(_shape(args, recipe.DRAFT_SHAPE), args.target, cfg.seq_len)

@@ -86,6 +86,15 @@ def load_heldout_list(path: Path) -> dict:
     return json.loads(Path(path).read_text())
 
 
+def token_cache_path(folder: Path, tokenizer_dir: Path, docs: list[Document]) -> Path:
+    """Where the token array of these documents under this tokenizer is cached; any change to either gives a
+    new name, so a stale cache is never read."""
+    digest = hashlib.sha256((Path(tokenizer_dir) / "tokenizer.json").read_bytes())
+    for d in docs:
+        digest.update(f"{d.path}\0{len(d.text)}\0".encode())
+    return Path(folder) / f"tokens-{digest.hexdigest()[:16]}.npy"
+
+
 def tokenize_documents(docs: list[Document], tokenizer, cache_path: Path | None = None) -> np.ndarray:
     """Concatenate the documents as BOS text EOS BOS text EOS ... into one uint16 array, cached on disk."""
     if cache_path is not None and Path(cache_path).is_file():

@@ -106,11 +106,11 @@ def run_all(out_dir: Path, run_dir: Path, corpus: Path, resume: bool, heldout_fr
         seconds = run_tokenizer_stage(train_docs, tok_dir, vocab_size, max_len)
         log.record("tokenizer", wall_time_s=round(seconds, 1), train_files=len(train_docs),
                    heldout_files=len(heldout_docs), train_chars=sum(len(d.text) for d in train_docs))
+    cache = data.token_cache_path(run_dir, tok_dir, train_docs)
+    started = time.time()
+    tokens = data.tokenize_documents(train_docs, Tokenizer(tok_dir), cache)
     if not log.done("pretokenize"):
-        started = time.time()
-        tokens = data.tokenize_documents(train_docs, Tokenizer(tok_dir), run_dir / "train_tokens.npy")
         log.record("pretokenize", wall_time_s=round(time.time() - started, 1), train_tokens=int(len(tokens)))
-    tokens = data.tokenize_documents(train_docs, Tokenizer(tok_dir), run_dir / "train_tokens.npy")
 
     target_config = model_config(target_shape, tok_dir, max_len)
     if not log.done("target"):

@@ -46,3 +46,11 @@ def test_batches_depend_on_seed_and_step_only():
     assert a.shape == (4, 17) and np.array_equal(a, data.sample_windows(tokens, 4, 16, seed=3, step=7))
     assert not np.array_equal(a, data.sample_windows(tokens, 4, 16, seed=3, step=8))
     assert np.array_equal(a[:, 1:], a[:, :-1] + 1)  # contiguous windows
+
+
+def test_token_cache_name_changes_with_tokenizer_or_documents(tiny_tokenizer, tmp_path):
+    docs = [data.Document("a.py", "x = 1\n"), data.Document("b.py", "y = 2\n")]
+    name = data.token_cache_path(tmp_path, tiny_tokenizer, docs)
+    assert name == data.token_cache_path(tmp_path, tiny_tokenizer, list(docs))
+    assert name != data.token_cache_path(tmp_path, tiny_tokenizer, docs[:1])
+    assert name != data.token_cache_path(tmp_path, tiny_tokenizer, [docs[0], data.Document("b.py", "y = 22\n")])
