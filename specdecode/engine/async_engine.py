@@ -174,12 +174,10 @@ class AsyncEngine:
                 self._forget(request_id)
             if self.scheduler.has_work:
                 try:
-                    out = self.scheduler.step()
+                    self._publish(self.scheduler.step())
                 except Exception as exc:  # a bug, not bad input (that is refused before it gets here)
                     log.error("engine step failed; failing its requests\n%s", traceback.format_exc())
                     self._fail_all(exc)
-                else:
-                    self._publish(out)
             self.metrics.running.set(len(self.scheduler.running))
             self.metrics.waiting.set(len(self.scheduler.waiting))
         for seq in self.scheduler.abort_all():
@@ -201,10 +199,11 @@ class AsyncEngine:
         emitted = []
         for seq in out.prefilled + out.stepped:
             stream = self._requests.get(seq.request_id)
-            new_ids = seq.output_ids[stream.sent:] if stream is not None else []
-            emitted.append(len(new_ids))
             if stream is None:
+                emitted.append(0)
                 continue
+            new_ids = seq.token_ids[seq.num_prompt + stream.sent:]
+            emitted.append(len(new_ids))
             stream.sent += len(new_ids)
             if new_ids:
                 if stream.first_token_time is None:

@@ -99,7 +99,7 @@ class Scheduler:
                 deltas.update(zip((s.request_id for s in active), llm.runner.step(active, budgets)))
                 report = llm.runner.last_report
                 if llm.controller is not None:
-                    llm.controller.observe(active, report, time.perf_counter() - start)
+                    llm.controller.observe(active, max(budgets), report, time.perf_counter() - start)
         finished = [s for s in self.running if s.finished]
         for seq in finished:
             self._release(seq)

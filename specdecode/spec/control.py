@@ -119,7 +119,6 @@ class SpecController:
         self.global_counts = [prior_acceptance * 10.0, (1.0 - prior_acceptance) * 10.0]  # hits, misses
         self.counts: dict[str, list[float]] = {}
         self.steps_since_draft = 0
-        self.last_choice = 0
 
     def reset(self, prior_acceptance: float = 0.7) -> None:
         """Forget everything learned online."""
@@ -162,11 +161,9 @@ class SpecController:
     def choose(self, seqs) -> int:
         """Draft levels for this step (0 = plain); sequences with speculation off are counted as plain rows."""
         if self.fixed_k is not None:
-            self.last_choice = self.fixed_k
             return self.fixed_k
         rates = [self.acceptance(s.request_id) for s in seqs if s.params.use_speculation]
         if not rates:
-            self.last_choice = 0
             return 0
         k, _ = self.best_k(len(seqs), rates)
         if k == 0 and self.steps_since_draft >= self.probe_every:
@@ -174,14 +171,14 @@ class SpecController:
             # where a good acceptance rate would make speculation pay at this batch size.
             if self.best_k(len(seqs), [0.9] * len(rates))[0] > 0:
                 k = 1
-        self.last_choice = k
         return k
 
-    def observe(self, seqs, report, wall_time: float) -> None:
-        """Learn from a finished step: `report` is the StepRunner's StepReport, wall_time the whole step."""
+    def observe(self, seqs, k: int, report, wall_time: float) -> None:
+        """Learn from a finished step that drafted up to k levels: `report` is the StepRunner's StepReport,
+        wall_time the whole step."""
         npl = self.nodes_per_level
         verified_k = -(-(report.width - 1) // npl)
-        self.costs.observe(len(seqs), verified_k, self.last_choice, report.draft_time, report.verify_time, wall_time)
+        self.costs.observe(len(seqs), verified_k, k, report.draft_time, report.verify_time, wall_time)
         if not any(report.draft_lens):
             self.steps_since_draft += 1
             return

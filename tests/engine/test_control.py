@@ -75,10 +75,9 @@ def feed(controller, seqs, k, accept_prob, steps, rng):
             while n < k and rng.random() < accept_prob:
                 n += 1
             accepted.append(n)
-        controller.last_choice = k
         report = StepReport(width=1 + k, draft_time=0.001 * k, verify_time=0.01, draft_lens=[k] * len(seqs),
                             accepted_lens=accepted)
-        controller.observe(seqs, report, wall_time=0.012 + 0.001 * k)
+        controller.observe(seqs, k, report, wall_time=0.012 + 0.001 * k)
 
 
 @pytest.mark.parametrize("a", [0.2, 0.5, 0.9])
@@ -100,7 +99,7 @@ def test_low_acceptance_turns_speculation_off_then_probes():
     for _ in range(20):
         k = controller.choose(seqs)
         choices.append(k)
-        controller.observe(seqs, StepReport(1 + k, 0.0, 0.01, [k], [0]), wall_time=0.011)
+        controller.observe(seqs, k, StepReport(1 + k, 0.0, 0.01, [k], [0]), wall_time=0.011)
     assert choices.count(0) >= 15
     assert 1 in choices  # a probe re-measures the acceptance rate now and then
 
