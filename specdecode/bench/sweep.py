@@ -1,0 +1,133 @@
+"""Batch-size sweep: plain decoding vs every fixed draft length vs adaptive speculation, in generated tokens/s.
+
+For each batch size B, B greedy requests of `max_tokens` tokens each (EOS ignored, so every mode does the same
+work) run as one continuous batch; each mode runs `repeats` times, interleaved with the other modes so that load
+from elsewhere on the machine spreads over all of them, and the median counts. The adaptive controller keeps its
+start-up cost calibration but forgets everything learned online before each of its runs.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sysconfig
+import time
+from pathlib import Path
+
+from specdecode.engine.llm import LLM
+from specdecode.sampling import SamplingParams
+
+FALLBACK_PROMPTS = [
+    "def read_config(path):\n    \"\"\"Read a configuration file and return a dict.\"\"\"\n",
+    "class LRUCache:\n    def __init__(self, capacity):\n",
+    "import os\nimport sys\n\n\ndef main(argv=None):\n",
+    "    def __repr__(self):\n        return ",
+    "for name, value in sorted(items.items()):\n",
+    "try:\n    import _thread\nexcept ImportError:\n",
+    "def _check_arg(value, name):\n    if not isinstance(value, int):\n",
+    "class Error(Exception):\n    \"\"\"Base class for exceptions in this module.\"\"\"\n",
+]
+
+
+def default_prompts(n: int = 16, chars: int = 300) -> list[str]:
+    """Windows of the standard-library files the bundled models held out of training (what they were trained to
+    continue, but never saw), or a few fixed snippets when those files are not on this machine."""
+    heldout = Path(__file__).resolve().parents[1] / "models" / "heldout.json"
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    prompts = []
+    if heldout.is_file():
+        for name in json.loads(heldout.read_text()).get("files", []):
+            path = stdlib / name
+            if not path.is_file():
+                continue
+            text = path.read_text(errors="replace")
+            start = text.find("\n", len(text) // 3) + 1  # a line start a third of the way in
+            window = text[start:start + chars]
+            if len(window) == chars:
+                prompts.append(window)
+            if len(prompts) == n:
+                break
+    return prompts if len(prompts) >= 4 else FALLBACK_PROMPTS
+
+
+def _timed_generate(llm: LLM, prompts: list[str], max_tokens: int) -> tuple[float, dict]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    before = dict(llm.total_stats.as_dict())
+    start = time.perf_counter()
+    llm.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    after = llm.total_stats.as_dict()
+    delta = {k: after[k] - before[k] for k in ("steps", "draft_tokens", "accepted_tokens")}
+    return seconds, delta
+
+
+def adaptive_sweep(target: str | Path, draft: str | Path, batch_sizes=(1, 2, 4, 8, 16, 32), ks=(1, 2, 3, 4, 5),
+                   max_tokens: int = 64, repeats: int = 3, prompts: list[str] | None = None, dtype: str = "auto",
+                   device: str | None = None, log=print) -> list[dict]:
+    """Rows {batch_size, mode, tokens_per_s, vs_plain, mean_draft_len, acceptance_rate}, mode being "plain",
+    "K=k" or "adaptive", plus one {batch_size, mode: "summary", ...} row per batch size with the goal checks."""
+    prompts = prompts or default_prompts()
+    max_batch = max(batch_sizes)
+    plain = LLM(target, dtype=dtype, device=device, max_num_seqs=max_batch)
+    config = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": max(ks), "adaptive": True}
+    spec = LLM(target, dtype=dtype, device=device, speculative_config=config, max_num_seqs=max_batch)
+    controller = spec.controller
+    for llm in (plain, spec):  # first calls pay one-time costs (allocations, lazy imports)
+        llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+
+    def run(mode: str, batch: list[str]) -> tuple[float, dict]:
+        if mode == "plain":
+            return _timed_generate(plain, batch, max_tokens)
+        if mode == "adaptive":
+            controller.fixed_k = None
+            controller.reset()
+        else:
+            controller.fixed_k = int(mode[2:])
+        return _timed_generate(spec, batch, max_tokens)
+
+    modes = ["plain"] + [f"K={k}" for k in ks] + ["adaptive"]
+    rows = []
+    for b in batch_sizes:
+        batch = [prompts[i % len(prompts)] for i in range(b)]
+        samples: dict[str, list[tuple[float, dict]]] = {m: [] for m in modes}
+        for _ in range(repeats):
+            for mode in modes:
+                samples[mode].append(run(mode, batch))
+        by_mode = {}
+        for mode in modes:
+            seconds = statistics.median(s for s, _ in samples[mode])
+            steps = sum(d["steps"] for _, d in samples[mode])
+            drafted = sum(d["draft_tokens"] for _, d in samples[mode])
+            accepted = sum(d["accepted_tokens"] for _, d in samples[mode])
+            by_mode[mode] = {"batch_size": b, "mode": mode, "tokens_per_s": b * max_tokens / seconds,
+                             "mean_draft_len": drafted / (steps * b) if steps else 0.0,
+                             "acceptance_rate": accepted / drafted if drafted else None}
+        plain_tps = by_mode["plain"]["tokens_per_s"]
+        for row in by_mode.values():
+            row["vs_plain"] = row["tokens_per_s"] / plain_tps
+            rows.append(row)
+        best_fixed = max((by_mode[f"K={k}"] for k in ks), key=lambda r: r["tokens_per_s"])
+        best = max(best_fixed["tokens_per_s"], plain_tps)
+        adaptive_tps = by_mode["adaptive"]["tokens_per_s"]
+        summary = {"batch_size": b, "mode": "summary", "best_fixed": best_fixed["mode"],
+                   "adaptive_vs_plain": adaptive_tps / plain_tps, "adaptive_vs_best": adaptive_tps / best,
+                   "goal_met": adaptive_tps >= 0.97 * plain_tps and adaptive_tps >= 0.95 * best}
+        rows.append(summary)
+        log(f"B={b}: plain {plain_tps:.1f} tok/s, best fixed {best_fixed['mode']} "
+            f"{best_fixed['tokens_per_s']:.1f}, adaptive {adaptive_tps:.1f} "
+            f"({summary['adaptive_vs_plain']:.2f}x plain, {summary['adaptive_vs_best']:.2f}x best)")
+    return rows
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """One line per batch size: tokens/s of every mode, then the adaptive ratios and whether the goal is met."""
+    modes = [r["mode"] for r in rows if r["batch_size"] == rows[0]["batch_size"] and r["mode"] != "summary"]
+    lines = ["| B | " + " | ".join(modes) + " | adaptive mean K | adaptive / plain | adaptive / best | goal |",
+             "|---" * (len(modes) + 5) + "|"]
+    for b in dict.fromkeys(r["batch_size"] for r in rows):
+        of_b = {r["mode"]: r for r in rows if r["batch_size"] == b}
+        summary = of_b["summary"]
+        cells = [f"{of_b[m]['tokens_per_s']:.1f}" for m in modes]
+        lines.append(f"| {b} | " + " | ".join(cells) + f" | {of_b['adaptive']['mean_draft_len']:.2f} | "
+                     f"{summary['adaptive_vs_plain']:.3f} | {summary['adaptive_vs_best']:.3f} | "
+                     f"{'yes' if summary['goal_met'] else 'NO'} |")
+    return "\n".join(lines)
