@@ -110,7 +110,8 @@ def cmd_all(args) -> int:
     argv = [a for a in sys.argv[1:] if a != "--resume"]
     command = "specdecode " + " ".join(shlex.quote(a) for a in argv) if argv else ""
     stages = recipe.run_all(args.out, args.run_dir, args.corpus, args.resume, args.heldout_fraction,
-                            eval_tokens=args.eval_tokens, command=command)
+                            eval_tokens=args.eval_tokens, command=command,
+                            pattern=args.pattern)
     print(json.dumps(stages["eval"], indent=2))
     return 0
 

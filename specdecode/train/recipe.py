@@ -91,14 +91,14 @@ def run_distill_stage(target, config: ModelConfig, tokens, cfg: loop.TrainConfig
 def run_all(out_dir: Path, run_dir: Path, corpus: Path, resume: bool, heldout_fraction: float = 0.05,
             target_train: loop.TrainConfig = TARGET_TRAIN, draft_train: loop.TrainConfig = DRAFT_TRAIN,
             target_shape: dict = TARGET_SHAPE, draft_shape: dict = DRAFT_SHAPE, vocab_size: int = VOCAB_SIZE,
-            eval_tokens: int = 131072, command: str = "") -> dict:
+            eval_tokens: int = 131072, command: str = "", pattern: str = "*.py") -> dict:
     out_dir, run_dir = Path(out_dir), Path(run_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     log = StageLog(run_dir / "recipe.json", fresh=not resume)
     max_len = target_train.seq_len
 
-    docs = data.read_documents(corpus)
+    docs = data.read_documents(corpus, pattern)
     train_docs, heldout_docs = data.split_documents(docs, heldout_fraction)
     data.save_heldout_list(out_dir / "heldout.json", corpus, heldout_docs, heldout_fraction)
     tok_dir = run_dir / "tokenizer"
