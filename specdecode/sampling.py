@@ -94,11 +94,16 @@ def params_tensors(params: list[SamplingParams], repeats: list[int] | None = Non
     return temperature.float(), top_k.long(), top_p.float()
 
 
+def sample_rows(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draws: probs [N, V] (rows need not be normalised), u [N] uniforms in [0, 1) -> tokens [N].
+
+    The first index whose cumulative mass exceeds u * total is never a zero-probability token.
+    """
+    cdf = probs.double().cumsum(-1)  # [N, V]
+    target = u.to(cdf) * cdf[:, -1]
+    return torch.searchsorted(cdf, target[:, None], right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
+
+
 def sample_from(probs: torch.Tensor, u: float) -> int:
-    """Inverse-CDF draw from one distribution [V] with a uniform u in [0, 1)."""
-    cdf = probs.double().cumsum(-1)
-    index = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=torch.float64), right=True))
-    index = min(index, probs.shape[-1] - 1)
-    while probs[index] <= 0 and index > 0:  # u * total can land exactly on the end of a zero-width bin
-        index -= 1
-    return index
+    """One inverse-CDF draw from probs [V]."""
+    return int(sample_rows(probs[None], torch.tensor([u]))[0])

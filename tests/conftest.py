@@ -10,6 +10,10 @@ from specdecode.model.config import ModelConfig
 from specdecode.model.llama import LlamaForCausalLM
 from specdecode.model.loading import save_model
 
+# Tiny models gain nothing from intra-op threads, and on a busy 2-core machine the threads of several processes
+# spinning against each other make small kernels twenty times slower.
+torch.set_num_threads(1)
+
 CORPUS = [
     "def add(a, b):\n    return a + b\n",
     "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",

@@ -13,10 +13,10 @@ import torch
 
 from specdecode.engine.sequence import Sequence
 from specdecode.model.llama import LlamaForCausalLM
-from specdecode.sampling import params_tensors, processed_probs, sample_from
+from specdecode.sampling import params_tensors, processed_probs, sample_rows
 from specdecode.spec.proposers.base import Proposer
 from specdecode.spec.tree import DraftTree, tree_shape
-from specdecode.spec.verify import VerifyResult, verify_greedy, verify_sampling
+from specdecode.spec.verify import VerifyResult, verify_chains, verify_greedy, verify_sampling
 
 
 @functools.lru_cache(maxsize=4096)
@@ -86,16 +86,18 @@ class StepRunner:
         for seq, token in zip(seqs, first):
             seq.stats.verify_time += elapsed
             deltas.append(self._append(seq, [token]))
-            # The cache holds the prompt and the first token is pending; the proposer starts from the same state.
-            if self.proposer is not None and not seq.finished:
-                self.proposer.add(seq)
+        # The cache holds the prompt and the first token is pending; the proposer starts from the same state.
+        joined = [s for s in seqs if not s.finished]
+        if self.proposer is not None and joined:
+            self.proposer.add(joined)
         return deltas
 
     def _sample_roots(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
         if all(s.params.greedy for s in seqs):
             return logits.argmax(-1).tolist()
-        probs = processed_probs(logits, *params_tensors([s.params for s in seqs], device=logits.device)).cpu()
-        return [sample_from(probs[i], s.uniforms(1)[0]) for i, s in enumerate(seqs)]
+        probs = processed_probs(logits, *params_tensors([s.params for s in seqs], device=logits.device))
+        u = torch.tensor([s.uniforms(1)[0] for s in seqs], device=logits.device)
+        return sample_rows(probs, u).tolist()
 
     def _append(self, seq: Sequence, tokens: list[int]) -> str:
         before = seq.num_generated
@@ -162,8 +164,37 @@ class StepRunner:
             params = [seqs[b].params for b in sampled]
             p = processed_probs(logits[sampled].reshape(-1, V),
                                 *params_tensors(params, [W] * len(sampled), device=logits.device))
-            p = p.view(len(sampled), W, V).cpu()
+            p = p.view(len(sampled), W, V)
+            chains = [row for row, b in enumerate(sampled) if trees[b].shape.is_chain]
+            if chains:
+                self._verify_chains([sampled[row] for row in chains], seqs, trees, p[chains], results)
             for row, b in enumerate(sampled):
-                n = len(trees[b])
-                results[b] = verify_sampling(trees[b], p[row, :n + 1], seqs[b].uniforms(n + 2))
+                if results[b] is None:  # a branching tree: walk it node by node
+                    n = len(trees[b])
+                    results[b] = verify_sampling(trees[b], p[row, :n + 1].cpu(), seqs[b].uniforms(n + 2))
         return results
+
+    @staticmethod
+    def _verify_chains(rows: list[int], seqs: list[Sequence], trees: list[DraftTree], p: torch.Tensor,
+                       results: list) -> None:
+        """Sampled rows whose drafts are chains, verified together. p [R, W, V]."""
+        K = p.shape[1] - 1
+        chains = [trees[b] for b in rows]
+        tokens = torch.zeros(len(rows), K, dtype=torch.long)
+        lengths = torch.tensor([len(t) for t in chains])
+        for i, t in enumerate(chains):
+            tokens[i, :len(t)] = t.tokens
+        q = None
+        if any(t.draft_probs is not None for t in chains):
+            # Rows with one-hot drafts get q = one-hot(x), which is the same rule as q = None.
+            q = torch.zeros(len(rows), K, p.shape[2], device=p.device)
+            for i, t in enumerate(chains):
+                if t.draft_probs is not None:
+                    q[i, :len(t)] = t.draft_probs.to(p.device)
+                else:
+                    q[i, :len(t)].scatter_(1, t.tokens[:, None].to(p.device), 1.0)
+        u = torch.tensor([seqs[b].uniforms(K + 1) for b in rows], dtype=torch.float64).view(len(rows), K + 1)
+        n_matches, next_token = verify_chains(p, q, tokens.to(p.device), lengths.to(p.device),
+                                              u[:, :K].to(p.device), u[:, K].to(p.device))
+        for b, n, x in zip(rows, n_matches.tolist(), next_token.tolist()):
+            results[b] = VerifyResult(list(range(n)), x)

@@ -80,8 +80,7 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
     dtype = resolve_dtype(dtype, device)
     config = ModelConfig.from_file(model_dir / "config.json")
     state = load_state_dict(model_dir)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM(config)  # (building on the meta device would import torch._dynamo: seconds)
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     expected = {k for k in model.state_dict() if not (config.tie_word_embeddings and k == "lm_head.weight")}

@@ -25,6 +25,8 @@ class TreeShape:
     """children[i + 1] = child nodes of node i, in order; children[0] = the root's children (parent -1)."""
     paths: tuple[tuple[int, ...], ...]
     """Every root-to-leaf path as node indices."""
+    is_chain: bool
+    """Whether the tree is a single chain (parents -1, 0, 1, ...); the empty tree is a chain."""
 
 
 @functools.lru_cache(maxsize=1024)
@@ -49,7 +51,8 @@ def tree_shape(parents: tuple[int, ...]) -> TreeShape:
             path.append(parents[path[-1]])
         paths.append(tuple(reversed(path)))
     return TreeShape(parents=tuple(parents), depths=torch.tensor(depths, dtype=torch.long), attention_mask=mask,
-                     children=tuple(tuple(c) for c in children), paths=tuple(paths))
+                     children=tuple(tuple(c) for c in children), paths=tuple(paths),
+                     is_chain=tuple(parents) == chain_parents(n))
 
 
 def chain_parents(k: int) -> tuple[int, ...]:

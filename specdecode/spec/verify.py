@@ -14,7 +14,7 @@ import dataclasses
 
 import torch
 
-from specdecode.sampling import sample_from
+from specdecode.sampling import sample_from, sample_rows
 from specdecode.spec.tree import DraftTree
 
 
@@ -72,3 +72,33 @@ def verify_sampling(tree: DraftTree, p_all: torch.Tensor, uniforms: list[float])
             p = residual / total
         else:
             return VerifyResult(accepted, sample_from(p, next(draws)))
+
+
+def verify_chains(p: torch.Tensor, q: torch.Tensor | None, tokens: torch.Tensor, lengths: torch.Tensor,
+                  u_accept: torch.Tensor, u_next: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Leviathan/Chen rule for a batch of chains at once (the same decisions as verify_sampling on a chain).
+
+    p [B, K+1, V]: target probabilities at the root and after each draft token; q [B, K, V]: the draft's, or None
+    for one-hot drafts; tokens [B, K]; lengths [B]: each row's real chain length (<= K, the rest is padding);
+    u_accept [B, K], u_next [B]: uniforms. Returns n_matches [B] (accepted draft tokens) and next_token [B].
+    """
+    B, K = tokens.shape
+    rows = torch.arange(B, device=p.device)
+    p_x = p[:, :K].gather(2, tokens[..., None]).squeeze(-1)  # [B, K]
+    q_x = torch.ones_like(p_x) if q is None else q.gather(2, tokens[..., None]).squeeze(-1)
+    real = torch.arange(K, device=p.device)[None, :] < lengths[:, None]
+    accept = (u_accept * q_x < p_x) & real  # u < p(x) / q(x)
+    n_matches = accept.long().cumprod(dim=1).sum(dim=1)  # [B]: the first rejection ends the chain
+    p_next = p[rows, n_matches]  # [B, V]
+    rejected = n_matches < lengths
+    at = n_matches.clamp(max=max(K - 1, 0))
+    if K == 0:
+        residual = p_next
+    elif q is None:
+        residual = p_next.scatter(1, tokens[rows, at][:, None], 0.0)
+    else:
+        residual = (p_next - q[rows, at]).clamp(min=0.0)
+    # A residual with no mass only arises when p == q up to rounding, where rejection had probability zero.
+    use_residual = rejected & (residual.sum(-1) > 0)
+    dist = torch.where(use_residual[:, None], residual, p_next)
+    return n_matches, sample_rows(dist, u_next)

@@ -13,8 +13,8 @@ if TYPE_CHECKING:
 class Proposer(Protocol):
     """Proposes a draft tree per sequence; keeps its own state (caches, indices) and never touches the target's."""
 
-    def add(self, seq: "Sequence") -> None:
-        """A sequence joins (its prompt and first token are known)."""
+    def add(self, seqs: list["Sequence"]) -> None:
+        """Sequences join (their prompts and first tokens are known)."""
 
     def remove(self, seq: "Sequence") -> None:
         """A sequence leaves; free what the proposer holds for it."""

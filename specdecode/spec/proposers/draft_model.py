@@ -11,7 +11,7 @@ import torch
 
 from specdecode.errors import ConfigError
 from specdecode.model.llama import LlamaForCausalLM
-from specdecode.sampling import params_tensors, processed_probs
+from specdecode.sampling import params_tensors, processed_probs, sample_rows
 from specdecode.spec.tree import DraftTree
 
 
@@ -57,16 +57,18 @@ class DraftModelProposer:
             self.cache = self.model.make_cache(slots, max_len + extra)
 
     @torch.no_grad()
-    def add(self, seq) -> None:
-        self.cache.reset(torch.tensor([seq.slot]))
-        self.draft_len[seq.request_id] = 0
-        prompt = seq.token_ids[:-1]  # everything but the pending token, as in the target's cache
-        if prompt:
-            slots = torch.tensor([seq.slot])
-            self.model(torch.tensor([prompt], device=self.model.device), cache=self.cache, slots=slots,
-                       compute_logits=False)
-            self.cache.advance(slots, len(prompt))
-            self.draft_len[seq.request_id] = len(prompt)
+    def add(self, seqs) -> None:
+        """Prefill the draft's cache with every token but the pending one, as in the target's cache."""
+        slots = torch.tensor([s.slot for s in seqs])
+        self.cache.reset(slots)
+        lens = [len(s.token_ids) - 1 for s in seqs]
+        width = max(lens)
+        ids = torch.tensor([s.token_ids[:n] + [0] * (width - n) for s, n in zip(seqs, lens)],
+                           device=self.model.device)  # [B, width], padding is never committed
+        self.model(ids, cache=self.cache, slots=slots, compute_logits=False)
+        self.cache.advance(slots, torch.tensor(lens))
+        for seq, n in zip(seqs, lens):
+            self.draft_len[seq.request_id] = n
 
     def remove(self, seq) -> None:
         self.draft_len.pop(seq.request_id, None)
@@ -85,11 +87,9 @@ class DraftModelProposer:
         temperature, top_k, top_p = params_tensors([s.params for s in seqs], [width if per_chain else 1] * B,
                                                    device=logits.device)
         q = processed_probs(rows, temperature, top_k, top_p).view(B, -1, V)  # [B, 1 or width, V]
-        tokens = torch.stack([
-            torch.multinomial(q[b].cpu(), 1 if per_chain else width, replacement=True,
-                              generator=seqs[b].generator).view(-1)
-            for b in range(B)]).to(logits.device)  # [B, width]
-        return tokens, q.expand(B, width, V)
+        q = q.expand(B, width, V)  # at the root, every chain draws independently from the same q
+        u = torch.tensor([s.uniforms(width) for s in seqs], dtype=torch.float64, device=logits.device)  # [B, w]
+        return sample_rows(q.reshape(-1, V), u.view(-1)).view(B, width), q
 
     @torch.no_grad()
     def propose(self, seqs, budgets: list[int]) -> list[DraftTree]:

@@ -62,9 +62,10 @@ class NgramProposer:
         self.config = config
         self.indices: dict[str, _NgramIndex] = {}
 
-    def add(self, seq) -> None:
-        self.indices[seq.request_id] = _NgramIndex(range(self.config.prompt_lookup_min,
-                                                         self.config.prompt_lookup_max + 1))
+    def add(self, seqs) -> None:
+        sizes = range(self.config.prompt_lookup_min, self.config.prompt_lookup_max + 1)
+        for seq in seqs:
+            self.indices[seq.request_id] = _NgramIndex(sizes)
 
     def remove(self, seq) -> None:
         self.indices.pop(seq.request_id, None)
