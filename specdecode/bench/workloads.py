@@ -1,0 +1,78 @@
+"""Benchmark workloads, built from the held-out standard-library files (never seen in training).
+
+- completion: the code before a function and its first lines; the model continues the function.
+- grounded_edit: a function, then an instruction to rewrite it and the start of the rewrite; the answer copies
+  much of the prompt (the case prompt lookup is made for).
+- docstring: a function signature and an opened docstring; free-form prose.
+
+`python -m specdecode.bench.workloads` regenerates the shipped workloads/*.json from the held-out list.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import sysconfig
+from pathlib import Path
+
+WORKLOAD_DIR = Path(__file__).resolve().parent / "workloads"
+WORKLOADS = ("completion", "grounded_edit", "docstring")
+PROMPTS_PER_WORKLOAD = 16
+
+
+def load_workload(name: str, limit: int | None = None) -> list[str]:
+    path = WORKLOAD_DIR / f"{name}.json"
+    if name not in WORKLOADS or not path.is_file():
+        raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
+    prompts = json.loads(path.read_text())["prompts"]
+    return prompts[:limit] if limit else prompts
+
+
+def _functions(source: str) -> list[tuple[int, int, ast.FunctionDef]]:
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return []
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef) and node.end_lineno and 8 <= node.end_lineno - node.lineno <= 40:
+            out.append((node.lineno - 1, node.end_lineno, node))
+    return sorted(out, key=lambda t: t[0])
+
+
+def build_prompts(heldout_files: list[str], corpus: Path) -> dict[str, list[str]]:
+    prompts: dict[str, list[str]] = {name: [] for name in WORKLOADS}
+    for rel in sorted(heldout_files):
+        try:
+            source = (corpus / rel).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        lines = source.splitlines(keepends=True)
+        for start, end, node in _functions(source)[:2]:  # at most two functions per file, for variety
+            body = "".join(lines[start:end])
+            head = lines[start]
+            if len(prompts["completion"]) < PROMPTS_PER_WORKLOAD:
+                prompts["completion"].append("".join(lines[max(0, start - 25):start + 4]))
+            if len(prompts["grounded_edit"]) < PROMPTS_PER_WORKLOAD:
+                prompts["grounded_edit"].append(
+                    f"{body}\n\n# The same function, with type hints added and the logic unchanged:\n{head}")
+            if ast.get_docstring(node) is None and len(prompts["docstring"]) < PROMPTS_PER_WORKLOAD:
+                indent = head[:len(head) - len(head.lstrip())] + "    "
+                prompts["docstring"].append(f'{head}{indent}"""')
+        if all(len(p) >= PROMPTS_PER_WORKLOAD for p in prompts.values()):
+            break
+    return prompts
+
+
+def main() -> None:
+    from specdecode.models import MODELS_DIR
+
+    heldout = json.loads((MODELS_DIR / "heldout.json").read_text())
+    corpus = Path(sysconfig.get_paths()["stdlib"])
+    WORKLOAD_DIR.mkdir(exist_ok=True)
+    for name, prompts in build_prompts(heldout["files"], corpus).items():
+        (WORKLOAD_DIR / f"{name}.json").write_text(json.dumps({"workload": name, "prompts": prompts}, indent=1))
+        print(f"{name}: {len(prompts)} prompts")
+
+
+if __name__ == "__main__":
+    main()
