@@ -17,6 +17,8 @@ from pathlib import Path
 WORKLOAD_DIR = Path(__file__).resolve().parent / "workloads"
 WORKLOADS = ("completion", "grounded_edit", "docstring")
 PROMPTS_PER_WORKLOAD = 16
+MAX_PROMPT_CHARS = 900
+"""Keeps prompt + 128 generated tokens inside the bundled models' 512-token context."""
 
 
 def load_workload(name: str, limit: int | None = None) -> list[str]:
@@ -34,7 +36,7 @@ def _functions(source: str) -> list[tuple[int, int, ast.FunctionDef]]:
         return []
     out = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.FunctionDef) and node.end_lineno and 8 <= node.end_lineno - node.lineno <= 40:
+        if isinstance(node, ast.FunctionDef) and node.end_lineno and 6 <= node.end_lineno - node.lineno <= 30:
             out.append((node.lineno - 1, node.end_lineno, node))
     return sorted(out, key=lambda t: t[0])
 
@@ -50,14 +52,15 @@ def build_prompts(heldout_files: list[str], corpus: Path) -> dict[str, list[str]
         for start, end, node in _functions(source)[:2]:  # at most two functions per file, for variety
             body = "".join(lines[start:end])
             head = lines[start]
-            if len(prompts["completion"]) < PROMPTS_PER_WORKLOAD:
-                prompts["completion"].append("".join(lines[max(0, start - 25):start + 4]))
-            if len(prompts["grounded_edit"]) < PROMPTS_PER_WORKLOAD:
-                prompts["grounded_edit"].append(
-                    f"{body}\n\n# The same function, with type hints added and the logic unchanged:\n{head}")
-            if ast.get_docstring(node) is None and len(prompts["docstring"]) < PROMPTS_PER_WORKLOAD:
-                indent = head[:len(head) - len(head.lstrip())] + "    "
-                prompts["docstring"].append(f'{head}{indent}"""')
+            indent = head[:len(head) - len(head.lstrip())] + "    "
+            candidates = {
+                "completion": "".join(lines[max(0, start - 15):start + 4]),
+                "grounded_edit": f"{body}\n\n# The same function, with type hints added and the logic unchanged:\n{head}",
+                "docstring": f'{head}{indent}"""' if ast.get_docstring(node) is None else "",
+            }
+            for name, prompt in candidates.items():
+                if prompt and len(prompt) <= MAX_PROMPT_CHARS and len(prompts[name]) < PROMPTS_PER_WORKLOAD:
+                    prompts[name].append(prompt)
         if all(len(p) >= PROMPTS_PER_WORKLOAD for p in prompts.values()):
             break
     return prompts
