@@ -72,8 +72,7 @@ class Scheduler:
         llm = self.llm
         self.running.remove(seq)
         self.free.append(seq.slot)
-        if llm.proposer is not None:
-            llm.proposer.remove(seq)
+        llm.runner.release(seq)
         if llm.controller is not None:
             llm.controller.forget(seq.request_id)
         llm.total_stats.merge(seq.stats)
@@ -99,7 +98,8 @@ class Scheduler:
                 deltas.update(zip((s.request_id for s in active), llm.runner.step(active, budgets)))
                 report = llm.runner.last_report
                 if llm.controller is not None:
-                    llm.controller.observe(active, max(budgets), report, time.perf_counter() - start)
+                    wall = time.perf_counter() - start - report.join_time
+                    llm.controller.observe(active, max(budgets), report, wall)
         finished = [s for s in self.running if s.finished]
         for seq in finished:
             self._release(seq)

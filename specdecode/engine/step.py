@@ -47,6 +47,9 @@ class StepReport:
     """Draft tokens (tree nodes) verified for each sequence."""
     accepted_lens: list[int]
     """Draft tokens accepted for each sequence."""
+    join_time: float = 0.0
+    """Seconds spent registering sequences that drafted for the first time (their draft prefill), not in
+    draft_time: a one-off cost, not a cost of drafting."""
 
 
 class StepRunner:
@@ -56,6 +59,7 @@ class StepRunner:
         self.cache = None
         self.max_len = 0
         self.last_report: StepReport | None = None
+        self.joined: set[str] = set()  # requests the proposer holds
 
     def ensure_capacity(self, slots: int, max_len: int, tree_size: int) -> None:
         """Caches for `slots` sequences of up to max_len tokens, plus room for one verified tree."""
@@ -68,7 +72,7 @@ class StepRunner:
 
     @torch.no_grad()
     def prefill(self, seqs: list[Sequence]) -> list[str]:
-        """Run the prompts, draw each sequence's first token, register the sequences with the proposer."""
+        """Run the prompts and draw each sequence's first token."""
         device = self.target.device
         start = time.perf_counter()
         slots = torch.tensor([s.slot for s in seqs])
@@ -86,11 +90,24 @@ class StepRunner:
         for seq, token in zip(seqs, first):
             seq.stats.verify_time += elapsed
             deltas.append(self._append(seq, [token]))
-        # The cache holds the prompt and the first token is pending; the proposer starts from the same state.
-        joined = [s for s in seqs if not s.finished]
-        if self.proposer is not None and joined:
-            self.proposer.add(joined)
         return deltas
+
+    def _join(self, seqs: list[Sequence], budgets: list[int]) -> float:
+        """Register with the proposer the sequences about to draft for the first time; returns the seconds taken.
+        Joining late means a sequence that never speculates (a large batch, speculation off) never costs a draft
+        prefill; the proposer starts from the target's state: the cache holds every token but the pending one."""
+        start = time.perf_counter()
+        joining = [s for s, b in zip(seqs, budgets) if b and s.request_id not in self.joined]
+        if joining:
+            self.proposer.add(joining)
+            self.joined.update(s.request_id for s in joining)
+        return time.perf_counter() - start
+
+    def release(self, seq: Sequence) -> None:
+        """A sequence leaves: free what the proposer holds for it."""
+        if seq.request_id in self.joined:
+            self.joined.discard(seq.request_id)
+            self.proposer.remove(seq)
 
     def _sample_roots(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
         if all(s.params.greedy for s in seqs):
@@ -109,6 +126,9 @@ class StepRunner:
     def step(self, seqs: list[Sequence], budgets: list[int]) -> list[str]:
         """One speculative step for every sequence; returns the new text of each."""
         device = self.target.device
+        join_time = 0.0
+        if self.proposer is not None and any(budgets):
+            join_time = self._join(seqs, budgets)
         t0 = time.perf_counter()
         if self.proposer is not None and any(budgets):
             trees = self.proposer.propose(seqs, budgets)
@@ -147,7 +167,7 @@ class StepRunner:
         if self.proposer is not None:
             self.proposer.observe(seqs, trees, results)
         self.last_report = StepReport(width, t1 - t0, t2 - t1, [len(t) for t in trees],
-                                      [len(r.accepted) for r in results])
+                                      [len(r.accepted) for r in results], join_time)
         return deltas
 
     def _verify(self, seqs: list[Sequence], trees: list[DraftTree], logits: torch.Tensor) -> list[VerifyResult]:
