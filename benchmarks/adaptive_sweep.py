@@ -24,6 +24,7 @@ def main() -> None:
     p.add_argument("--batch-sizes", default="1,2,4,8,16,32")
     p.add_argument("--ks", default="1,2,3,4,5", help="fixed draft lengths to compare (the largest is adaptive's cap)")
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--workload", default="completion", help="bench workload the prompts come from")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="--max-tokens 32 --repeats 1")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
@@ -36,7 +37,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     rows = adaptive_sweep(args.target, args.draft, batch_sizes=[int(b) for b in args.batch_sizes.split(",")],
                           ks=[int(k) for k in args.ks.split(",")], max_tokens=args.max_tokens, repeats=args.repeats,
-                          device=args.device)
+                          workload=args.workload, device=args.device)
     print(markdown_table(rows))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))

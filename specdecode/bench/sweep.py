@@ -7,46 +7,13 @@ start-up cost calibration but forgets everything learned online before each of i
 """
 from __future__ import annotations
 
-import json
 import statistics
-import sysconfig
 import time
 from pathlib import Path
 
+from specdecode.bench.workloads import load_workload
 from specdecode.engine.llm import LLM
 from specdecode.sampling import SamplingParams
-
-FALLBACK_PROMPTS = [
-    "def read_config(path):\n    \"\"\"Read a configuration file and return a dict.\"\"\"\n",
-    "class LRUCache:\n    def __init__(self, capacity):\n",
-    "import os\nimport sys\n\n\ndef main(argv=None):\n",
-    "    def __repr__(self):\n        return ",
-    "for name, value in sorted(items.items()):\n",
-    "try:\n    import _thread\nexcept ImportError:\n",
-    "def _check_arg(value, name):\n    if not isinstance(value, int):\n",
-    "class Error(Exception):\n    \"\"\"Base class for exceptions in this module.\"\"\"\n",
-]
-
-
-def default_prompts(n: int = 16, chars: int = 300) -> list[str]:
-    """Windows of the standard-library files the bundled models held out of training (what they were trained to
-    continue, but never saw), or a few fixed snippets when those files are not on this machine."""
-    heldout = Path(__file__).resolve().parents[1] / "models" / "heldout.json"
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    prompts = []
-    if heldout.is_file():
-        for name in json.loads(heldout.read_text()).get("files", []):
-            path = stdlib / name
-            if not path.is_file():
-                continue
-            text = path.read_text(errors="replace")
-            start = text.find("\n", len(text) // 3) + 1  # a line start a third of the way in
-            window = text[start:start + chars]
-            if len(window) == chars:
-                prompts.append(window)
-            if len(prompts) == n:
-                break
-    return prompts if len(prompts) >= 4 else FALLBACK_PROMPTS
 
 
 def _timed_generate(llm: LLM, prompts: list[str], max_tokens: int) -> tuple[float, dict]:
@@ -61,11 +28,13 @@ def _timed_generate(llm: LLM, prompts: list[str], max_tokens: int) -> tuple[floa
 
 
 def adaptive_sweep(target: str | Path, draft: str | Path, batch_sizes=(1, 2, 4, 8, 16, 32), ks=(1, 2, 3, 4, 5),
-                   max_tokens: int = 64, repeats: int = 3, prompts: list[str] | None = None, dtype: str = "auto",
-                   device: str | None = None, log=print) -> list[dict]:
+                   max_tokens: int = 64, repeats: int = 3, workload: str = "completion",
+                   prompts: list[str] | None = None, dtype: str = "auto", device: str | None = None,
+                   log=print) -> list[dict]:
     """Rows {batch_size, mode, tokens_per_s, vs_plain, mean_draft_len, acceptance_rate}, mode being "plain",
-    "K=k" or "adaptive", plus one {batch_size, mode: "summary", ...} row per batch size with the goal checks."""
-    prompts = prompts or default_prompts()
+    "K=k" or "adaptive", plus one {batch_size, mode: "summary", ...} row per batch size with the goal checks.
+    Prompts: `prompts`, else the bench workload named `workload`, cycled to fill each batch."""
+    prompts = prompts or load_workload(workload)
     max_batch = max(batch_sizes)
     plain = LLM(target, dtype=dtype, device=device, max_num_seqs=max_batch)
     config = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": max(ks), "adaptive": True}
