@@ -17,4 +17,9 @@ def _serve(sub):
     register(sub)
 
 
-REGISTRY = [_generate, _serve, _train]
+def _bench(sub):
+    from specdecode.bench.cli import register
+    register(sub)
+
+
+REGISTRY = [_generate, _serve, _train, _bench]

@@ -1,0 +1,54 @@
+"""How close plain decoding runs to the machine's memory bound.
+
+At batch 1 a decode step reads every weight once (the input embedding only one row of it) and the whole KV
+cache, so memory read bandwidth / bytes read per step is the most tokens/s plain decoding could reach; the
+measured tokens/s as a share of that says how much is left to take.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from specdecode.model.llama import LlamaForCausalLM
+
+
+def measure_read_bandwidth(bytes_: int = 512 * 2**20, repeats: int = 5, device: str | torch.device = "cpu") -> float:
+    """Bytes/s of the fastest of `repeats` full reads (a sum) of a float32 tensor of `bytes_` bytes: well
+    above every cache size, so it is the memory's read bandwidth at the current torch thread count."""
+    x = torch.ones(bytes_ // 4, dtype=torch.float32, device=device)
+    x.sum()  # first touch: page faults, lazy allocation
+    best = float("inf")
+    for _ in range(repeats):
+        if x.device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        x.sum().item()  # .item() waits for the device
+        best = min(best, time.perf_counter() - start)
+    return x.numel() * x.element_size() / best
+
+
+def weight_bytes_per_step(model: LlamaForCausalLM) -> int:
+    """Bytes of weights one decode step reads: every parameter, except that an untied input embedding
+    contributes one row (the lookup) rather than the whole table."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())  # parameters() counts tied ones once
+    embedding = model.model.embed_tokens.weight
+    if embedding is not model.lm_head.weight:
+        total -= (embedding.shape[0] - 1) * embedding.shape[1] * embedding.element_size()
+    return total
+
+
+def kv_bytes_per_step(model: LlamaForCausalLM, context_len: float) -> float:
+    """Bytes of keys and values read by one decode step at this context length (batch 1)."""
+    c = model.config
+    return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * model.dtype.itemsize * context_len
+
+
+def roofline(model: LlamaForCausalLM, bandwidth: float, context_len: float, tokens_per_s: float) -> dict:
+    """The memory-bound ceiling of batch-1 plain decoding and the measured speed's share of it."""
+    weights = weight_bytes_per_step(model)
+    kv = kv_bytes_per_step(model, context_len)
+    ceiling = bandwidth / (weights + kv)
+    return {"bandwidth_gb_s": bandwidth / 1e9, "weight_bytes": weights, "kv_bytes": kv,
+            "mean_context_len": context_len, "ceiling_tokens_per_s": ceiling, "plain_tokens_per_s": tokens_per_s,
+            "share": tokens_per_s / ceiling}
