@@ -57,7 +57,7 @@ class LLM:
             text, ids = prompt, self.tokenizer.encode(prompt)
         else:
             text, ids = None, list(prompt)
-        if not ids:
+        if not ids or text == "":  # "" still encodes to [BOS] with tokenizers that add one
             raise ConfigError("the prompt is empty; give at least one token of text")
         if len(ids) >= self.max_model_len:
             raise ConfigError(f"the prompt has {len(ids)} tokens but the model's context is {self.max_model_len}; "

@@ -34,6 +34,12 @@ class KVCache:
         self.k[layer][slots[:, None], :, write_pos] = k_new.transpose(1, 2)
         self.v[layer][slots[:, None], :, write_pos] = v_new.transpose(1, 2)
 
+    def write_block(self, layer: int, first_slot: int, start: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+        """Store new keys/values [B, kv_heads, T, head_dim] of slots first_slot.. at positions start..start+T-1."""
+        B, T = k_new.shape[0], k_new.shape[2]
+        self.k[layer][first_slot:first_slot + B, :, start:start + T] = k_new
+        self.v[layer][first_slot:first_slot + B, :, start:start + T] = v_new
+
     def advance(self, slots: torch.Tensor, n: torch.Tensor | int) -> None:
         """Make the first n freshly written positions of each row part of its committed prefix."""
         self.lengths[slots.cpu()] += n if isinstance(n, int) else n.cpu()
@@ -46,6 +52,9 @@ class KVCache:
         copied too (that keeps every shape static) but stay beyond the new length, so they are dead.
         """
         if kept.shape[1] == 0:
+            return
+        if kept.shape[1] == 1 and not kept.any():
+            self.advance(slots, n_kept)  # plain decoding: each row keeps its one fresh position, already in place
             return
         offsets = torch.arange(kept.shape[1])
         if bool(((kept == offsets) | (offsets >= n_kept[:, None])).all()):

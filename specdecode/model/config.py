@@ -118,7 +118,10 @@ class ModelConfig:
             raw = json.loads(path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise CheckpointError(f"{path} is not valid JSON ({exc}); re-save the checkpoint") from exc
-        return cls.from_dict(raw)
+        try:
+            return cls.from_dict(raw)
+        except ConfigError as exc:  # say which checkpoint: a target and its draft both have a config.json
+            raise ConfigError(f"{path}: {exc}") from exc
 
     def to_hf_dict(self) -> dict:
         """The config.json that transformers reads back as the same architecture."""

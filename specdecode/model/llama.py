@@ -33,15 +33,18 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 whatever the storage dtype, as the reference implementation does.
+        if x.dtype == torch.float32:  # the library op: fewer dispatches, and it runs twice per layer per token
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # Normalise in float32 and scale after casting back, in the reference implementation's rounding order.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, with rotate_half(x) = [-x2, x1] computed as roll(x) = [x2, x1] times
+    signed_sin = [-sin1, sin2]: the same numbers in three operations. x [B, heads, T, hd], cos/sin [B, 1, T, hd]."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
 
 
 class Attention(nn.Module):
@@ -63,23 +66,22 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: "_CacheContext | None"):
-        B, T, _ = x.shape
+        """x [B * T, D] (token-major), cos/sin [B, 1, T, hd] -> [B * T, D]."""
+        B, T = cos.shape[0], cos.shape[2]
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, hd]
-        cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, hd]
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if ctx is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:
-            ctx.cache.write(self.layer_idx, ctx.slots, ctx.write_pos, k, v)
-            keys, values = ctx.context(self.layer_idx)  # [B, kv_heads, L, hd]
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=ctx.mask, enable_gqa=True)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+            keys, values = ctx.write_and_read(self.layer_idx, k, v)  # [B, kv_heads, L, hd]
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=ctx.mask, is_causal=ctx.is_causal,
+                                                 enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(B * T, -1))
 
 
 class MLP(nn.Module):
@@ -102,6 +104,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x, cos, sin, ctx):
+        """x [B * T, D]: two dimensions, so that every nn.Linear is one plain matrix product."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -115,25 +118,42 @@ class Decoder(nn.Module):
 
 
 class _CacheContext:
-    """What every layer of one cached forward shares: where to write, what to read, the attention mask."""
+    """What every layer of one cached forward shares: where to write, what to read, the attention mask.
+
+    Everything here is computed once per forward, not per layer. The common cases of plain decoding get cheap
+    paths, since they run once per token: rows that are a contiguous range of slots are read and written through
+    views, rows of equal length write with one slice copy, and a mask that would allow everything is dropped.
+    """
 
     def __init__(self, cache: KVCache, slots: torch.Tensor | None, batch: int, new_tokens: int,
                  tree_mask: torch.Tensor | None, pending: int):
         device = cache.device
         self.cache = cache
-        self.contiguous = slots is None  # rows 0..B-1: read the cache through views, no copy
-        if slots is None:
-            slots = torch.arange(batch)
-        lengths = cache.lengths[slots.cpu()]  # [B], host
+        slots = torch.arange(batch) if slots is None else slots.cpu()
+        slot_list = slots.tolist()
+        # First slot of the rows when they are slots first..first+B-1 (read through views, no gather), else None.
+        self.first_slot = slot_list[0] if slot_list == list(range(slot_list[0], slot_list[0] + batch)) else None
+        lengths = cache.lengths[slots]  # [B], host
+        length_list = lengths.tolist()
         fresh = pending + new_tokens  # positions after the committed prefix this forward can see
-        self.context_len = int(lengths.max()) + fresh
+        self.context_len = max(length_list) + fresh
         if self.context_len > cache.max_len:
             raise ValueError(f"the KV cache holds {cache.max_len} positions per row; this step needs "
                              f"{self.context_len}. Allocate a longer cache or generate fewer tokens.")
+        same_length = min(length_list) == max(length_list)
+        # Start of every row's new tokens when it is the same for all rows (one slice write), else None.
+        self.write_start = length_list[0] + pending if same_length else None
         self.slots = slots.to(device)
         lengths = lengths.to(device)
         new = torch.arange(new_tokens, device=device)
         self.write_pos = lengths[:, None] + pending + new  # [B, T]
+        self.is_causal = False
+        self.mask = None  # [B, 1, T, L] bool, True = may attend; None = every position
+        if tree_mask is None and same_length and new_tokens == 1:
+            return  # one new token per row after equal prefixes: it sees every position
+        if tree_mask is None and same_length and length_list[0] == 0 and pending == 0:
+            self.is_causal = True  # a prefill from empty rows: plain causal attention over the new tokens
+            return
         rel = torch.arange(self.context_len, device=device)[None, :] - lengths[:, None]  # [B, L]: offset from prefix end
         is_fresh = (rel >= 0) & (rel < fresh)
         if tree_mask is None:
@@ -143,12 +163,17 @@ class _CacheContext:
             fresh_visible = torch.gather(tree_mask.to(device), 2, index)  # [B, T, L]
         self.mask = ((rel < 0)[:, None, :] | (is_fresh[:, None, :] & fresh_visible))[:, None]  # [B, 1, T, L]
 
-    def context(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        L = self.context_len
-        if self.contiguous:
-            B = self.slots.shape[0]
-            return self.cache.k[layer][:B, :, :L], self.cache.v[layer][:B, :, :L]
-        return self.cache.k[layer][self.slots, :, :L], self.cache.v[layer][self.slots, :, :L]
+    def write_and_read(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store this layer's new keys/values [B, kv_heads, T, hd]; return its context [B, kv_heads, L, hd]."""
+        cache, L = self.cache, self.context_len
+        if self.first_slot is not None and self.write_start is not None:
+            cache.write_block(layer, self.first_slot, self.write_start, k, v)
+        else:
+            cache.write(layer, self.slots, self.write_pos, k, v)
+        if self.first_slot is not None:
+            rows = slice(self.first_slot, self.first_slot + k.shape[0])
+            return cache.k[layer][rows, :, :L], cache.v[layer][rows, :, :L]
+        return cache.k[layer][self.slots, :, :L], cache.v[layer][self.slots, :, :L]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -175,10 +200,10 @@ class LlamaForCausalLM(nn.Module):
                        dtype=self.dtype, device=self.device)
 
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [B, T, head_dim] for position ids [B, T]."""
-        freqs = positions.float()[..., None] * self.inv_freq  # [B, T, hd/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        """cos and signed sin (see apply_rotary) [B, 1, T, head_dim] for position ids [B, T]."""
+        freqs = positions.float()[:, None, :, None] * self.inv_freq  # [B, 1, T, hd/2]
+        cos, sin = freqs.cos().to(self.dtype), freqs.sin().to(self.dtype)
+        return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 cache: KVCache | None = None, slots: torch.Tensor | None = None,
@@ -206,11 +231,12 @@ class LlamaForCausalLM(nn.Module):
             positions = torch.arange(T, device=input_ids.device).expand(B, T)
         cos, sin = self.rotary(positions.to(self.device))
         x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        x = x.reshape(B * T, -1)  # [B * T, D]
         layer_hidden = {}
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, ctx)
             if i in hidden_layers:
-                layer_hidden[i] = x
+                layer_hidden[i] = x.view(B, T, -1)
         hidden = self.model.norm(x)
-        logits = self.lm_head(hidden) if compute_logits else None
-        return ModelOutput(hidden=hidden, logits=logits, layer_hidden=layer_hidden)
+        logits = self.lm_head(hidden).view(B, T, -1) if compute_logits else None
+        return ModelOutput(hidden=hidden.view(B, T, -1), logits=logits, layer_hidden=layer_hidden)

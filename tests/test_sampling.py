@@ -1,0 +1,121 @@
+"""processed_probs against a brute-force reference on tiny inputs; seeded sampling through LLM.generate."""
+import itertools
+import math
+
+import pytest
+import torch
+
+from specdecode.sampling import SamplingParams, params_tensors, processed_probs
+
+V = 7
+
+
+def reference_probs(logits: list[float], temperature: float, top_k: int, top_p: float) -> list[float]:
+    """The definition, one token at a time: softmax(logits / T), keep the top k, renormalise, keep the smallest
+    most-likely set whose mass reaches top_p, renormalise. Temperature 0 is a one-hot argmax."""
+    n = len(logits)
+    if temperature == 0:
+        best = max(range(n), key=lambda i: logits[i])
+        return [float(i == best) for i in range(n)]
+    weights = [math.exp(x / temperature) for x in logits]
+    by_likelihood = sorted(range(n), key=lambda i: -weights[i])
+    kept = by_likelihood[:top_k] if top_k > 0 else by_likelihood
+    total = sum(weights[i] for i in kept)
+    if top_p >= 1:
+        return [weights[i] / total if i in kept else 0.0 for i in range(n)]
+    nucleus, mass = [], 0.0
+    for i in kept:
+        nucleus.append(i)
+        mass += weights[i] / total
+        assert abs(mass - top_p) > 1e-6, "inputs on a top_p boundary would make the reference ambiguous"
+        if mass >= top_p:
+            break
+    z = sum(weights[i] for i in nucleus)
+    return [weights[i] / z if i in nucleus else 0.0 for i in range(n)]
+
+
+def run(logits: torch.Tensor, settings: list[tuple[float, int, float]]) -> torch.Tensor:
+    temperature = torch.tensor([s[0] for s in settings], dtype=torch.float32)
+    top_k = torch.tensor([s[1] for s in settings], dtype=torch.long)
+    top_p = torch.tensor([s[2] for s in settings], dtype=torch.float32)
+    return processed_probs(logits, temperature, top_k, top_p)
+
+
+LOGITS = torch.randn(4, V, generator=torch.Generator().manual_seed(0)) * 2  # [rows, V], no ties
+SETTINGS = list(itertools.product((0.5, 1.0, 2.0), (0, 1, 3, V), (0.35, 0.8, 1.0)))
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", SETTINGS)
+def test_matches_reference(temperature, top_k, top_p):
+    probs = run(LOGITS, [(temperature, top_k, top_p)] * len(LOGITS))
+    for row in range(len(LOGITS)):
+        expected = torch.tensor(reference_probs(LOGITS[row].tolist(), temperature, top_k, top_p))
+        torch.testing.assert_close(probs[row], expected, atol=1e-6, rtol=1e-5)
+
+
+def test_each_row_has_its_own_settings():
+    """One call, rows with different parameters (as in a batch of requests): each matches its reference."""
+    settings = [(0.0, 0, 1.0), (0.7, 2, 1.0), (1.3, 0, 0.6), (1.0, 4, 0.9)]
+    probs = run(LOGITS, settings)
+    for row, (t, k, p) in enumerate(settings):
+        torch.testing.assert_close(probs[row], torch.tensor(reference_probs(LOGITS[row].tolist(), t, k, p)),
+                                   atol=1e-6, rtol=1e-5)
+
+
+def test_greedy_is_one_hot_argmax_whatever_top_k_top_p():
+    for k, p in ((0, 1.0), (3, 0.5), (1, 0.1)):
+        probs = run(LOGITS, [(0.0, k, p)] * len(LOGITS))
+        expected = torch.nn.functional.one_hot(LOGITS.argmax(-1), V).float()
+        assert torch.equal(probs, expected)
+
+
+def test_rows_are_distributions_at_vocabulary_scale():
+    logits = torch.randn(16, 5000, generator=torch.Generator().manual_seed(1)) * 4
+    settings = [(t, k, p) for t in (0.3, 1.0) for k in (0, 50) for p in (0.5, 0.95)] * 2
+    probs = run(logits, settings)
+    assert torch.allclose(probs.sum(-1), torch.ones(16), atol=1e-5)
+    assert (probs >= 0).all()
+    for row, (_, k, _) in enumerate(settings):
+        if k:
+            assert int((probs[row] > 0).sum()) <= k
+
+
+def test_params_tensors_repeats_each_request():
+    params = [SamplingParams(temperature=0.5, top_k=3, top_p=0.9), SamplingParams(temperature=0)]
+    temperature, top_k, top_p = params_tensors(params, [2, 3])
+    assert temperature.tolist() == [0.5, 0.5, 0.0, 0.0, 0.0]
+    assert top_k.tolist() == [3, 3, 0, 0, 0]
+    assert top_p.tolist() == pytest.approx([0.9, 0.9, 1.0, 1.0, 1.0])
+
+
+# -- seeded generation end to end -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_models):
+    from specdecode.engine.llm import LLM
+
+    return LLM(model=tiny_models["target"], dtype="float32", device="cpu")
+
+
+def sampled(llm, seed, prompt="def add(a, b):", **kwargs):
+    params = SamplingParams(temperature=1.5, max_tokens=16, seed=seed, ignore_eos=True, **kwargs)
+    return llm.generate(prompt, params)[0].outputs[0].token_ids
+
+
+def test_same_seed_same_tokens(llm):
+    assert sampled(llm, 7) == sampled(llm, 7)
+    assert sampled(llm, 7, top_k=5, top_p=0.9) == sampled(llm, 7, top_k=5, top_p=0.9)
+
+
+def test_different_seeds_differ(llm):
+    outputs = {tuple(sampled(llm, seed)) for seed in range(4)}
+    assert len(outputs) > 1
+
+
+def test_seed_is_per_request_in_a_batch(llm):
+    """A request's random stream is its own: batching it with others does not change its sample."""
+    params = [SamplingParams(temperature=1.5, max_tokens=16, seed=s, ignore_eos=True) for s in (7, 8)]
+    batch = llm.generate(["def add(a, b):", "class Point:"], params)
+    assert batch[0].outputs[0].token_ids == sampled(llm, 7)
+    assert batch[1].outputs[0].token_ids == sampled(llm, 8, prompt="class Point:")
