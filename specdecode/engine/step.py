@@ -70,7 +70,7 @@ class StepRunner:
         if self.proposer is not None and hasattr(self.proposer, "ensure_cache"):
             self.proposer.ensure_cache(slots, need)
 
-    @torch.no_grad()
+    @torch.inference_mode()  # no_grad and also no version counters: less work per operation
     def prefill(self, seqs: list[Sequence]) -> list[str]:
         """Run the prompts and draw each sequence's first token."""
         device = self.target.device
@@ -122,7 +122,7 @@ class StepRunner:
         seq.stats.emitted_tokens += seq.num_generated - before
         return delta
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def step(self, seqs: list[Sequence], budgets: list[int]) -> list[str]:
         """One speculative step for every sequence; returns the new text of each."""
         device = self.target.device
