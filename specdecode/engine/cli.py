@@ -27,6 +27,8 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     p.add_argument("--dtype", default="auto", help="auto (default), float32, bfloat16 or float16")
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for torch (default: torch's choice; 1 is faster on a busy machine)")
     spec = p.add_argument_group("speculative decoding")
     spec.add_argument("--speculative-method", choices=METHODS, default=None,
                       help="draft_model (a small model drafts) or ngram (prompt lookup)")
@@ -127,6 +129,12 @@ def cmd_generate(args) -> int:
         model_dir = args.model
     is_bundled_target = bundled is not None and model_dir.resolve() == bundled[0].resolve()
     config = speculative_config(args, bundled[1] if is_bundled_target else None)
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ConfigError(f"--threads must be >= 1, got {args.threads}")
+        import torch
+
+        torch.set_num_threads(args.threads)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed)
     llm = LLM(model=model_dir, dtype=args.dtype, device=args.device, speculative_config=config)

@@ -48,7 +48,7 @@ def test_compare_prints_both_speeds_and_speedup(tiny_models, capsys):
 
 def test_sampling_flags(tiny_models, capsys):
     argv = ("x =", "--model", tiny_models["target"], "--max-tokens", 8, "--temperature", 0.9, "--top-p", 0.9,
-            "--top-k", 20, "--seed", 5, "--no-speculation")
+            "--top-k", 20, "--seed", 5, "--no-speculation", "--threads", 1)
     first, second = run(capsys, *argv), run(capsys, *argv)
     assert first[0] == second[0] == 0
     assert first[1].splitlines()[:-1] == second[1].splitlines()[:-1]  # same seed, same text
@@ -59,6 +59,7 @@ def test_sampling_flags(tiny_models, capsys):
     (["--max-tokens", "0"], "max_tokens must be a positive integer"),
     (["--dtype", "flaot16"], "dtype 'flaot16' is not supported"),
     (["--compare"], "--compare needs a speculative method"),
+    (["--threads", "0"], "--threads must be >= 1"),
     (["--no-speculation", "--num-speculative-tokens", "3"], "--no-speculation contradicts"),
     (["--speculative-method", "ngram", "--speculative-model", "x"], "apply to --speculative-method draft_model"),
 ])
