@@ -67,6 +67,9 @@ class BenchConfig:
     """Tokens per request in the sweep."""
     sweep_repeats: int = 3
     """Runs per sweep point; the median counts."""
+    sweep_prompt_tokens: int = 64
+    """Prompt tokens per sweep request (the last ones of each completion prompt): the sweep times whole generate
+    calls, so short prompts keep prefill from swamping the decoding it compares."""
     dtype: str = "float32"
     """Weights' dtype for every engine."""
     device: str | None = None
@@ -82,7 +85,7 @@ class BenchConfig:
         if unknown:
             raise ConfigError(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
         for name in ("prompts", "max_tokens", "num_speculative_tokens", "num_drafts", "ngram_tokens",
-                     "sweep_max_tokens", "sweep_repeats"):
+                     "sweep_max_tokens", "sweep_repeats", "sweep_prompt_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.sweep_batch_sizes and (self.draft is None or min(self.sweep_batch_sizes) < 1 or not self.sweep_ks):
@@ -91,7 +94,7 @@ class BenchConfig:
     @classmethod
     def quick(cls, **overrides) -> "BenchConfig":
         """A run of a few minutes: fewer prompts and tokens, one sweep run per point, two fixed K."""
-        settings = dict(prompts=3, max_tokens=48, sweep_ks=(2, 4), sweep_max_tokens=16, sweep_repeats=1)
+        settings = dict(prompts=3, max_tokens=48, sweep_ks=(2, 4), sweep_max_tokens=32, sweep_repeats=1)
         return cls(**{**settings, **overrides})
 
 
@@ -259,7 +262,7 @@ def run_bench(config: BenchConfig, log: Callable[[str], None] = lambda s: print(
                                    workloads[ALL]["plain"]["tokens_per_s"])
     sweep_tree = max(config.sweep_ks, default=0)
     sweep_prompts = [fit_prompt(plain.tokenizer.encode(p), plain, config.sweep_max_tokens, sweep_tree)
-                     for p in load_workload("completion")]
+                     [-config.sweep_prompt_tokens:] for p in load_workload("completion")]
     del engines, plain  # the sweep loads its own engines
 
     if config.sweep_batch_sizes:

@@ -24,7 +24,7 @@ def register(sub) -> None:
                                    "assisted, prompt lookup) in one run; then a batch-size sweep and a roofline. "
                                    "Writes results.json, report.md and PNG plots to --out.")
     p.add_argument("--quick", action="store_true",
-                   help="a run of a few minutes: 3 prompts x 48 tokens, sweep with K in {2,4}, 16 tokens, 1 repeat "
+                   help="a run of a few minutes: 3 prompts x 48 tokens, sweep with K in {2,4}, 32 tokens, 1 repeat "
                         "(explicit flags still win)")
     p.add_argument("--out", type=Path, default=Path("bench_results"), help="output folder (default bench_results)")
     p.add_argument("--model", type=Path, default=None, help="target checkpoint (default: the bundled target)")
