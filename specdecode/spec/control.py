@@ -103,10 +103,12 @@ class SpecController:
 
     Acceptance is counted per tree level: a step that drafted k levels and accepted n of them is n hits and, if
     n < k, one miss, so a = hits / (hits + misses) is the per-level rate E is written in. Counts decay so that the
-    estimate follows the text; a request's own counts are backed by the engine-wide rate as a prior.
+    estimate follows the text; a request's own counts are backed by the engine-wide rate as a prior. That rate
+    starts optimistic on purpose: acceptance is only measured while drafting, so a fresh engine drafts and learns
+    rather than deciding from a guess that speculation does not pay.
     """
 
-    def __init__(self, costs: CostModel, max_k: int, nodes_per_level: int = 1, prior_acceptance: float = 0.7,
+    def __init__(self, costs: CostModel, max_k: int, nodes_per_level: int = 1, prior_acceptance: float = 0.85,
                  prior_weight: float = 2.0, decay: float = 0.95, probe_every: int = 16):
         self.costs = costs
         self.max_k = max_k
@@ -114,18 +116,20 @@ class SpecController:
         self.prior_weight = prior_weight
         self.decay = decay
         self.probe_every = probe_every
+        self.prior_acceptance = prior_acceptance
         self.fixed_k: int | None = None
         """Set to always draft this many levels (benchmarks of fixed K); costs are still measured."""
-        self.global_counts = [prior_acceptance * 10.0, (1.0 - prior_acceptance) * 10.0]  # hits, misses
+        self.reset_acceptance()
+
+    def reset_acceptance(self) -> None:
+        self.global_counts = [self.prior_acceptance * 10.0, (1.0 - self.prior_acceptance) * 10.0]  # hits, misses
         self.counts: dict[str, list[float]] = {}
         self.steps_since_draft = 0
 
-    def reset(self, prior_acceptance: float = 0.7) -> None:
-        """Forget everything learned online."""
+    def reset(self) -> None:
+        """Forget everything learned online (the calibrated cost shapes stay)."""
         self.costs.reset()
-        self.global_counts = [prior_acceptance * 10.0, (1.0 - prior_acceptance) * 10.0]
-        self.counts.clear()
-        self.steps_since_draft = 0
+        self.reset_acceptance()
 
     # -- estimates ------------------------------------------------------------------------------------------
 
