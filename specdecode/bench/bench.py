@@ -68,8 +68,8 @@ class BenchConfig:
     sweep_repeats: int = 3
     """Runs per sweep point; the median counts."""
     sweep_prompt_tokens: int = 64
-    """Prompt tokens per sweep request (the last ones of each completion prompt): the sweep times whole generate
-    calls, so short prompts keep prefill from swamping the decoding it compares."""
+    """Prompt tokens per sweep request (the last ones of each completion prompt); short prompts keep the
+    prefill of 32-request batches, repeated for every mode, from dominating the sweep's run time."""
     dtype: str = "float32"
     """Weights' dtype for every engine."""
     device: str | None = None

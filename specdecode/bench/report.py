@@ -179,8 +179,8 @@ def markdown(results: dict) -> str:
                       f"{name}: " + ", ".join(f"{k}={v}" for k, v in cfg.items() if k != "mode")
                       for name, cfg in results["peer_settings"].items() if len(cfg) > 1)]
     if results.get("sweep"):
-        parts += [f"## Batch-size sweep: plain vs fixed K vs adaptive (tokens/s; {s['sweep_prompt_tokens']}-token "
-                  f"prompts, {s['sweep_max_tokens']} new tokens per request, median of {s['sweep_repeats']})",
+        parts += [f"## Batch-size sweep: plain vs fixed K vs adaptive (decode tokens/s; "
+                  f"{s['sweep_prompt_tokens']}-token prompts, {s['sweep_max_tokens']} new tokens per request, median of {s['sweep_repeats']})",
                   markdown_table(results["sweep"]),
                   f"![speedup against batch size]({PLOTS['sweep']})"]
     parts += ["## Roofline", roofline_text(results["roofline"]),
