@@ -180,7 +180,8 @@ def markdown(results: dict) -> str:
                       for name, cfg in results["peer_settings"].items() if len(cfg) > 1)]
     if results.get("sweep"):
         parts += [f"## Batch-size sweep: plain vs fixed K vs adaptive (decode tokens/s; "
-                  f"{s['sweep_prompt_tokens']}-token prompts, {s['sweep_max_tokens']} new tokens per request, median of {s['sweep_repeats']})",
+                  f"{s['sweep_prompt_tokens']}-token prompts, {s['sweep_max_tokens']} new tokens per request, "
+                  f"median of {s['sweep_repeats']})",
                   markdown_table(results["sweep"]),
                   f"![speedup against batch size]({PLOTS['sweep']})"]
     parts += ["## Roofline", roofline_text(results["roofline"]),
