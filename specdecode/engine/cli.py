@@ -58,6 +58,20 @@ def _require_bundled(path: Path, what: str) -> Path:
     return path
 
 
+def resolve_models(args) -> tuple[Path, dict | None, bool]:
+    """(target directory, speculative_config, whether the target is the bundled one) from --model and the
+    speculative flags; shared by `generate` and `serve`."""
+    bundled = _bundled_dirs()
+    if args.model is None:
+        if bundled is None:
+            raise CheckpointError("specdecode's bundled models are not installed; pass --model DIR")
+        model_dir = _require_bundled(bundled[0], "target model")
+    else:
+        model_dir = args.model
+    is_bundled_target = bundled is not None and model_dir.resolve() == bundled[0].resolve()
+    return model_dir, speculative_config(args, bundled[1] if is_bundled_target else None), is_bundled_target
+
+
 def speculative_config(args, bundled_draft: Path | None) -> dict | None:
     """The speculative_config the flags describe (None = plain decoding).
 
@@ -120,15 +134,7 @@ def cmd_generate(args) -> int:
     from specdecode.engine.llm import LLM
     from specdecode.sampling import SamplingParams
 
-    bundled = _bundled_dirs()
-    if args.model is None:
-        if bundled is None:
-            raise CheckpointError("specdecode's bundled models are not installed; pass --model DIR")
-        model_dir = _require_bundled(bundled[0], "target model")
-    else:
-        model_dir = args.model
-    is_bundled_target = bundled is not None and model_dir.resolve() == bundled[0].resolve()
-    config = speculative_config(args, bundled[1] if is_bundled_target else None)
+    model_dir, config, _ = resolve_models(args)
     if args.threads is not None:
         if args.threads < 1:
             raise ConfigError(f"--threads must be >= 1, got {args.threads}")

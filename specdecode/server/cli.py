@@ -47,20 +47,12 @@ def cmd_serve(args) -> int:
     import uvicorn
 
     from specdecode.engine.async_engine import AsyncEngine
-    from specdecode.engine.cli import _bundled_dirs, _require_bundled, speculative_config
+    from specdecode.engine.cli import resolve_models
     from specdecode.engine.llm import LLM
-    from specdecode.errors import CheckpointError, ConfigError
+    from specdecode.errors import ConfigError
     from specdecode.server.app import build_app
 
-    bundled = _bundled_dirs()
-    if args.model is None:
-        if bundled is None:
-            raise CheckpointError("specdecode's bundled models are not installed; pass --model DIR")
-        model_dir = _require_bundled(bundled[0], "target model")
-    else:
-        model_dir = args.model
-    is_bundled_target = bundled is not None and model_dir.resolve() == bundled[0].resolve()
-    config = speculative_config(args, bundled[1] if is_bundled_target else None)
+    model_dir, config, is_bundled_target = resolve_models(args)
     if config is not None:
         config["adaptive"] = args.adaptive
         if args.disable_by_batch_size is not None:
