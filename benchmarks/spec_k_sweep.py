@@ -47,17 +47,20 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--ks", default="2,4,6,8")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--only", default=None, help="run only the configurations whose label contains this text")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    runs = configs(args.draft, [int(k) for k in args.ks.split(",")])
+    runs = [r for r in configs(args.draft, [int(k) for k in args.ks.split(",")])
+            if args.only is None or args.only in r[1]]
     plain = LLM(args.target, dtype="float32")
     engines = [LLM(args.target, dtype="float32", speculative_config=spec) for _, _, spec in runs]
     for llm in [plain] + engines:  # warm-up: one-time allocations and lazy imports
         llm.generate("def f(x):", SamplingParams(temperature=0, max_tokens=8))
-    workloads = {w: load_workload(w, args.prompts) for w in ("completion", "grounded_edit")}
+    workloads = {w: load_workload(w, args.prompts) for w in ("completion", "grounded_edit")
+                 if any(r[0] == w for r in runs)}
     # Per prompt: plain, every configuration, plain again. Each configuration is compared with the mean of the
     # two plain runs around it on the same prompt, so slow changes in machine load cancel out of the ratio.
     plain_s = {w: 0.0 for w in workloads}

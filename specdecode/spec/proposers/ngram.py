@@ -32,11 +32,12 @@ class NgramConfig:
 
 
 class _NgramIndex:
-    """For each n, the most recent position that follows each n-gram (only n-grams that have a successor)."""
+    """For each n, the first and the most recent position that follows each n-gram (only n-grams that have a
+    successor)."""
 
     def __init__(self, sizes: range):
         self.sizes = sizes
-        self.tables: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in sizes}
+        self.tables: dict[int, dict[tuple[int, ...], list[int]]] = {n: {} for n in sizes}
         self.indexed_until = 0  # n-grams ending before this position are indexed
 
     def update(self, tokens: list[int]) -> None:
@@ -44,15 +45,20 @@ class _NgramIndex:
         for end in range(max(self.indexed_until, 1), len(tokens)):
             for n in self.sizes:
                 if end >= n:
-                    self.tables[n][tuple(tokens[end - n:end])] = end
+                    seen = self.tables[n].setdefault(tuple(tokens[end - n:end]), [end, end])
+                    seen[1] = end
         self.indexed_until = max(self.indexed_until, len(tokens))
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
         for n in reversed(self.sizes):
             if len(tokens) <= n:
                 continue
-            start = self.tables[n].get(tuple(tokens[-n:]))
-            if start is not None:
+            seen = self.tables[n].get(tuple(tokens[-n:]))
+            if seen is not None:
+                first, last = seen
+                # The most recent match, unless it is so close to the end that it cannot supply k tokens (as when
+                # the text repeats itself): then the first one, whose continuation is usually complete.
+                start = last if len(tokens) - last >= k else first
                 return tokens[start:start + k]
         return []
 
