@@ -24,6 +24,7 @@ from specdecode.bench.roofline import measure_read_bandwidth, roofline
 from specdecode.bench.workloads import WORKLOADS, load_workload
 from specdecode.engine.llm import LLM
 from specdecode.errors import ConfigError
+from specdecode.hardware import cpu_name
 from specdecode.model.loading import resolve_device
 from specdecode.sampling import SamplingParams
 
@@ -120,15 +121,7 @@ def engine_labels(config: BenchConfig) -> dict[str, str]:
 
 
 def machine_info(device: torch.device) -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    info = {"cpu": cpu, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+    info = {"cpu": cpu_name(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "device": str(device), "python": platform.python_version(), "torch": torch.__version__,
             "platform": platform.platform()}
     if device.type == "cuda":

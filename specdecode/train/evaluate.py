@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import platform
 import time
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from specdecode.hardware import cpu_name
 from specdecode.model.llama import LlamaForCausalLM
 from specdecode.train.data import Document, tokenize_documents
 
@@ -103,15 +103,7 @@ def greedy_agreement(target, draft, tokens: np.ndarray, prompts: int, prompt_len
 
 
 def hardware() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return (f"{os.cpu_count()}-core CPU ({cpu}), {torch.get_num_threads()} torch threads, float32, "
+    return (f"{os.cpu_count()}-core CPU ({cpu_name()}), {torch.get_num_threads()} torch threads, float32, "
             f"torch {torch.__version__}, no GPU")
 
 
