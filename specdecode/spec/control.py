@@ -101,15 +101,17 @@ class CostModel:
 class SpecController:
     """Chooses the draft length of each step and learns from what each step did.
 
-    Acceptance is counted per tree level: a step that drafted k levels and accepted n of them is n hits and, if
-    n < k, one miss, so a = hits / (hits + misses) is the per-level rate E is written in. Counts decay so that the
-    estimate follows the text; a request's own counts are backed by the engine-wide rate as a prior. That rate
-    starts optimistic on purpose: acceptance is only measured while drafting, so a fresh engine drafts and learns
-    rather than deciding from a guess that speculation does not pay.
+    Acceptance is learned per draft level j: a_j = P(level j accepted | the levels before it were). A step that
+    drafted k levels and accepted n of them was a trial at levels 1..min(n + 1, k), a success at levels 1..n. Then
+    E(K) = 1 + sum over j <= K of a_1 ... a_j (with one rate for every level, (1 - a^(K+1)) / (1 - a)); a draft's
+    quality usually fades with depth, which one pooled rate would miss. Counts decay so that the estimates follow
+    the text; a request's own counts are backed by the engine-wide rates as a prior. Those start optimistic on
+    purpose: acceptance is only measured while drafting, so a fresh engine drafts and learns rather than
+    deciding from a guess that speculation does not pay.
     """
 
     def __init__(self, costs: CostModel, max_k: int, nodes_per_level: int = 1, prior_acceptance: float = 0.85,
-                 prior_weight: float = 2.0, decay: float = 0.95, probe_every: int = 16):
+                 prior_weight: float = 8.0, decay: float = 0.95, probe_every: int = 16):
         self.costs = costs
         self.max_k = max_k
         self.nodes_per_level = nodes_per_level
@@ -122,8 +124,10 @@ class SpecController:
         self.reset_acceptance()
 
     def reset_acceptance(self) -> None:
-        self.global_counts = [self.prior_acceptance * 10.0, (1.0 - self.prior_acceptance) * 10.0]  # hits, misses
-        self.counts: dict[str, list[float]] = {}
+        # Engine-wide successes and trials per level, starting from 10 imagined trials at the prior rate.
+        self.global_hits = [10.0 * self.prior_acceptance] * self.max_k
+        self.global_trials = [10.0] * self.max_k
+        self.counts: dict[str, tuple[list[float], list[float]]] = {}  # request -> (hits, trials) per level
         self.steps_since_draft = 0
 
     def reset(self) -> None:
@@ -133,28 +137,40 @@ class SpecController:
 
     # -- estimates ------------------------------------------------------------------------------------------
 
-    @property
-    def global_acceptance(self) -> float:
-        hits, misses = self.global_counts
-        return hits / (hits + misses)
+    def global_rates(self) -> list[float]:
+        return [h / t for h, t in zip(self.global_hits, self.global_trials)]
 
-    def acceptance(self, request_id: str) -> float:
-        prior = self.global_acceptance
+    def rates(self, request_id: str, prior: list[float] | None = None) -> list[float]:
+        """a_1..a_K of one request (the engine-wide rates until it has drafted)."""
+        prior = prior or self.global_rates()
         counts = self.counts.get(request_id)
         if counts is None:
             return prior
-        hits, misses = counts
-        return (hits + self.prior_weight * prior) / (hits + misses + self.prior_weight)
+        w = self.prior_weight
+        return [(h + w * g) / (t + w) for h, t, g in zip(*counts, prior)]
 
-    def best_k(self, batch: int, rates: list[float]) -> tuple[int, float]:
-        """(K, expected tokens/s) maximising throughput for `batch` rows of which len(rates) speculate."""
+    @property
+    def global_acceptance(self) -> float:
+        """Engine-wide share of level trials accepted."""
+        return sum(self.global_hits) / sum(self.global_trials)
+
+    def acceptance(self, request_id: str) -> float:
+        """One request's share of level trials accepted (prior included)."""
+        counts = self.counts.get(request_id)
+        if counts is None:
+            return self.global_acceptance
+        w = self.prior_weight
+        return (sum(counts[0]) + w * self.global_acceptance) / (sum(counts[1]) + w)
+
+    def best_k(self, batch: int, rates: list[list[float]]) -> tuple[int, float]:
+        """(K, expected tokens/s) maximising throughput for `batch` rows; rates[r] = a_1..a_K of each row that
+        speculates."""
         tokens = float(batch)  # K = 0: one token per row
         best_k, best = 0, tokens / self.costs.step_time(batch, 0)
-        powers = [1.0] * len(rates)
+        reach = [1.0] * len(rates)  # probability that each row's draft is accepted up to the current level
         for k in range(1, self.max_k + 1):
-            # E(K) = E(K - 1) + a^K
-            powers = [p * a for p, a in zip(powers, rates)]
-            tokens += sum(powers)
+            reach = [p * a[k - 1] for p, a in zip(reach, rates)]
+            tokens += sum(reach)  # E(K) = E(K - 1) + a_1 ... a_K
             throughput = tokens / self.costs.step_time(batch, k)
             if throughput > best:
                 best_k, best = k, throughput
@@ -166,14 +182,15 @@ class SpecController:
         """Draft levels for this step (0 = plain); sequences with speculation off are counted as plain rows."""
         if self.fixed_k is not None:
             return self.fixed_k
-        rates = [self.acceptance(s.request_id) for s in seqs if s.params.use_speculation]
+        prior = self.global_rates()
+        rates = [self.rates(s.request_id, prior) for s in seqs if s.params.use_speculation]
         if not rates:
             return 0
         k, _ = self.best_k(len(seqs), rates)
         if k == 0 and self.steps_since_draft >= self.probe_every:
             # Acceptance is only learned while drafting: now and then re-measure it with one cheap level, but only
             # where a good acceptance rate would make speculation pay at this batch size.
-            if self.best_k(len(seqs), [0.9] * len(rates))[0] > 0:
+            if self.best_k(len(seqs), [[0.9] * self.max_k] * len(rates))[0] > 0:
                 k = 1
         return k
 
@@ -183,24 +200,32 @@ class SpecController:
         npl = self.nodes_per_level
         verified_k = -(-(report.width - 1) // npl)
         self.costs.observe(len(seqs), verified_k, k, report.draft_time, report.verify_time, wall_time)
-        if not any(report.draft_lens):
-            self.steps_since_draft += 1
-            return
-        self.steps_since_draft = 0
-        g = self.global_counts
-        g[0] *= 0.99
-        g[1] *= 0.99
+        drafting = any(report.draft_lens)
+        self.steps_since_draft = 0 if drafting else self.steps_since_draft + 1
+        if drafting:
+            self.global_hits = [h * 0.99 for h in self.global_hits]
+            self.global_trials = [t * 0.99 for t in self.global_trials]
+        decay = self.decay
         for seq, drafted, accepted in zip(seqs, report.draft_lens, report.accepted_lens):
-            if not drafted:
-                continue
-            miss = accepted < drafted // npl
             counts = self.counts.get(seq.request_id)
             if counts is None:
-                counts = self.counts[seq.request_id] = [0.0, 0.0]
-            counts[0] = counts[0] * self.decay + accepted
-            counts[1] = counts[1] * self.decay + miss
-            g[0] += accepted
-            g[1] += miss
+                if not drafted:
+                    continue
+                counts = self.counts[seq.request_id] = ([0.0] * self.max_k, [0.0] * self.max_k)
+            hits, trials = counts
+            # Evidence fades with every step, drafted or not: the text moves on, and a request that stopped
+            # drafting after a bad patch drifts back to the engine-wide rates and tries again.
+            for j in range(self.max_k):
+                hits[j] *= decay
+                trials[j] *= decay
+            if drafted:
+                levels = min(accepted + 1, drafted // npl, self.max_k)
+                for j in range(levels):
+                    success = j < accepted
+                    hits[j] += success
+                    trials[j] += 1.0
+                    self.global_hits[j] += success
+                    self.global_trials[j] += 1.0
 
     def forget(self, request_id: str) -> None:
         self.counts.pop(request_id, None)
@@ -235,6 +260,30 @@ def _best_times(model, cache, shapes: list[tuple[int, int]], context: int, repea
     return best
 
 
+def _smooth(target: dict[int, dict[int, float]]) -> dict[int, dict[int, float]]:
+    """Take the noise out of calibrated target[k][batch] times: at each batch size, a pass verifying k >= 1 levels
+    costs about a + b * k (k = 0 has no tree mask and its own, faster path), so fit that line by least squares;
+    then no cost may fall as k or the batch grows."""
+    ks = [k for k in target if k >= 1]
+    batches = sorted(target[0])
+    out = {k: dict(points) for k, points in target.items()}
+    if len(ks) >= 2:
+        k_mean = sum(ks) / len(ks)
+        k_var = sum((k - k_mean) ** 2 for k in ks)
+        for b in batches:
+            t_mean = sum(target[k][b] for k in ks) / len(ks)
+            slope = max(0.0, sum((k - k_mean) * (target[k][b] - t_mean) for k in ks) / k_var)
+            for k in ks:
+                out[k][b] = t_mean + slope * (k - k_mean)
+    for k in sorted(out):
+        for i, b in enumerate(batches):
+            if i:
+                out[k][b] = max(out[k][b], out[k][batches[i - 1]])
+            if k:
+                out[k][b] = max(out[k][b], out[k - 1][b])
+    return out
+
+
 def measure_costs(target, draft, max_batch: int, max_k: int, nodes_per_level: int = 1, context: int = 128,
                   repeats: int = 3) -> CostModel:
     """Time target passes over the batch sizes and draft lengths the engine can use, and draft forwards (if the
@@ -243,7 +292,7 @@ def measure_costs(target, draft, max_batch: int, max_k: int, nodes_per_level: in
     widths = [1 + nodes_per_level * k for k in range(max_k + 1)]
     cache = target.make_cache(max_batch, context + widths[-1] + 1)
     times = _best_times(target, cache, [(b, w) for b in batches for w in widths], context, repeats)
-    target_points = {k: {b: times[b, w] for b in batches} for k, w in enumerate(widths)}
+    target_points = _smooth({k: {b: times[b, w] for b in batches} for k, w in enumerate(widths)})
     draft_points = None
     if draft is not None:
         times = _best_times(draft, draft.make_cache(max_batch, context + 2), [(b, 1) for b in batches], context,

@@ -54,7 +54,7 @@ def test_curve_interpolates_and_extrapolates():
 def test_best_k_matches_brute_force(batch, a):
     costs = synthetic_costs()
     controller = SpecController(costs, MAX_K)
-    k, _ = controller.best_k(batch, [a] * batch)
+    k, _ = controller.best_k(batch, [[a] * MAX_K] * batch)
     assert k == brute_force_best(costs, batch, a)
 
 
@@ -67,17 +67,19 @@ def test_speculates_when_memory_bound_and_not_when_compute_bound():
     assert chosen == sorted(chosen, reverse=True)
 
 
-def feed(controller, seqs, k, accept_prob, steps, rng):
+def feed(controller, seqs, k, accept_prob, steps, rng, draft_s=0.001):
+    """accept_prob: one rate for every level, or a list of per-level rates; draft_s: reported seconds per level."""
+    per_level = accept_prob if isinstance(accept_prob, list) else [accept_prob] * k
     for _ in range(steps):
         accepted = []
         for _ in seqs:
             n = 0
-            while n < k and rng.random() < accept_prob:
+            while n < k and rng.random() < per_level[n]:
                 n += 1
             accepted.append(n)
-        report = StepReport(width=1 + k, draft_time=0.001 * k, verify_time=0.01, draft_lens=[k] * len(seqs),
+        report = StepReport(width=1 + k, draft_time=draft_s * k, verify_time=0.01, draft_lens=[k] * len(seqs),
                             accepted_lens=accepted)
-        controller.observe(seqs, k, report, wall_time=0.012 + 0.001 * k)
+        controller.observe(seqs, k, report, wall_time=0.0101 + draft_s * k)
 
 
 @pytest.mark.parametrize("a", [0.2, 0.5, 0.9])
@@ -90,6 +92,52 @@ def test_acceptance_estimate_follows_truncated_geometric_draws(a):
     assert controller.global_acceptance == pytest.approx(a, abs=0.08)
 
 
+def test_per_level_rates_are_learned_and_shape_the_choice():
+    controller = SpecController(synthetic_costs(), MAX_K, decay=0.99)
+    seqs = seqs_of(2)
+    truth = [0.95, 0.5, 0.5, 0.5, 0.5]  # a good first guess, then a coin flip
+    feed(controller, seqs, k=5, accept_prob=truth, steps=400, rng=random.Random(2))
+    for got, want in zip(controller.rates(seqs[0].request_id), truth):
+        assert got == pytest.approx(want, abs=0.08)
+    costs = controller.costs
+
+    def throughput(k, rates):
+        reach, tokens = 1.0, 1.0
+        for a in rates[:k]:
+            reach *= a
+            tokens += reach
+        return tokens / costs.step_time(1, k)
+
+    best = max(throughput(k, truth) for k in range(MAX_K + 1))
+    assert throughput(controller.choose(seqs[:1]), truth) >= 0.97 * best
+
+
+def test_a_bad_patch_is_forgotten_after_plain_steps():
+    controller = SpecController(synthetic_costs(draft_s=0.005), MAX_K)  # a draft half as costly as the target
+    good, bad = seqs_of(2)
+    feed(controller, [good], k=5, accept_prob=0.95, steps=30, rng=random.Random(3), draft_s=0.005)
+    assert controller.choose([good]) > 0
+    feed(controller, [bad], k=5, accept_prob=0.0, steps=10, rng=random.Random(4), draft_s=0.005)
+    assert controller.choose([bad]) == 0
+    for _ in range(40):
+        controller.observe([bad], 0, StepReport(1, 0.0, 0.01, [0], [0]), wall_time=0.0101)
+    assert controller.choose([bad]) > 0  # back at the engine-wide rates, which are good
+
+
+def test_calibration_smoothing_is_linear_in_k_and_monotone():
+    from specdecode.spec.control import _smooth
+
+    noisy = {0: {1: 1.0, 2: 1.1, 4: 2.5}, 1: {1: 1.6, 2: 1.5, 4: 3.0}, 2: {1: 1.4, 2: 2.0, 4: 3.4},
+             3: {1: 2.0, 2: 1.9, 4: 3.6}}
+    out = _smooth(noisy)
+    for b in (1, 2, 4):
+        steps = [out[k + 1][b] - out[k][b] for k in (1, 2)]
+        assert steps[0] == pytest.approx(steps[1]) and steps[0] >= 0
+        assert out[1][b] >= out[0][b]
+    for k in out:
+        assert out[k][1] <= out[k][2] <= out[k][4]
+
+
 def test_low_acceptance_turns_speculation_off_then_probes():
     controller = SpecController(synthetic_costs(), MAX_K, probe_every=8)
     seqs = seqs_of(1)
@@ -99,7 +147,8 @@ def test_low_acceptance_turns_speculation_off_then_probes():
     for _ in range(20):
         k = controller.choose(seqs)
         choices.append(k)
-        controller.observe(seqs, k, StepReport(1 + k, 0.0, 0.01, [k], [0]), wall_time=0.011)
+        report = StepReport(1 + k, 0.001 * k, 0.01, [k], [0])
+        controller.observe(seqs, k, report, wall_time=0.0101 + 0.001 * k)
     assert choices.count(0) >= 15
     assert 1 in choices  # a probe re-measures the acceptance rate now and then
 
