@@ -104,7 +104,6 @@ class Sequence:
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids)
         self.text = ""
         self.finish_reason: str | None = None
-        self._stop_scan_from = 0
 
     @property
     def output_ids(self) -> list[int]:
@@ -124,7 +123,7 @@ class Sequence:
     def append(self, new_ids: list[int], max_len: int) -> str:
         """Add generated tokens, apply EOS / max_tokens / stop strings / context limit; returns the new text."""
         params = self.params
-        room = params.max_tokens - self.num_generated
+        room = min(params.max_tokens - self.num_generated, max_len - len(self.token_ids))
         kept = []
         for token in new_ids[:room]:
             kept.append(token)
