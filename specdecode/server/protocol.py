@@ -38,13 +38,13 @@ class StreamOptions(BaseModel):
 class _Request(BaseModel):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore")  # null is accepted wherever OpenAI's default applies
     model: str | None = None
     temperature: float | None = Field(None, allow_inf_nan=False)
     top_p: float | None = Field(None, allow_inf_nan=False)
     top_k: int | None = None
-    n: int = 1
-    stream: bool = False
+    n: int | None = 1
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=-(2 ** 63), lt=2 ** 64)
@@ -58,7 +58,7 @@ class _Request(BaseModel):
     """specdecode extension: false decodes this request without speculation."""
 
     def check_supported(self) -> None:
-        if self.n != 1:
+        if self.n not in (None, 1):
             raise bad_request("only n=1 is supported; send several requests for several completions", "n")
         if self.presence_penalty or self.frequency_penalty:
             raise bad_request("presence_penalty and frequency_penalty are not supported (they would change the "
@@ -70,7 +70,7 @@ class _Request(BaseModel):
 class CompletionRequest(_Request):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
-    echo: bool = False
+    echo: bool | None = False
     logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
