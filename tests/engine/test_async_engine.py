@@ -2,7 +2,6 @@
 import asyncio
 
 import pytest
-import torch
 
 from specdecode.engine.async_engine import AsyncEngine, EngineOverloaded, RequestAborted, RequestFailed
 from specdecode.engine.llm import LLM
@@ -10,14 +9,6 @@ from specdecode.errors import ConfigError
 from specdecode.sampling import SamplingParams
 
 PROMPTS = ["def add(a, b):", "class Point:", "for i in range(10):", "import os", "print(", "self.x ="]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@ import random
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 from specdecode.engine.step import StepReport
 from specdecode.sampling import SamplingParams
@@ -11,14 +10,6 @@ from specdecode.spec.control import CostModel, Curve, SpecController, measure_co
 
 BATCHES = (1, 2, 4, 8, 16, 32)
 MAX_K = 5
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def synthetic_costs(memory_s=0.010, per_token_s=0.0005, draft_s=0.001, draft_per_seq_s=0.00002) -> CostModel:

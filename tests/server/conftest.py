@@ -6,21 +6,11 @@ import time
 from types import SimpleNamespace
 
 import pytest
-import torch
 import uvicorn
 
 from specdecode.engine.async_engine import AsyncEngine
 from specdecode.engine.llm import LLM
 from specdecode.server.app import build_app
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread, and a second one only fights the engine thread for the cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @contextlib.contextmanager
@@ -52,7 +42,7 @@ def speculative_config(tiny_models, **extra) -> dict:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_models, one_thread):
+def server(tiny_models):
     """Adaptive speculation, 8 slots (so 16 clients also exercise the waiting queue)."""
     llm = LLM(tiny_models["target"], speculative_config=speculative_config(tiny_models, adaptive=True),
               max_num_seqs=8)
@@ -61,6 +51,6 @@ def server(tiny_models, one_thread):
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_models, one_thread):
+def reference(tiny_models):
     """Offline LLM with the same checkpoints, for the texts the server must reproduce."""
     return LLM(tiny_models["target"], speculative_config=speculative_config(tiny_models), max_num_seqs=16)
