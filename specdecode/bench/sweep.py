@@ -3,17 +3,19 @@
 For each batch size B, B greedy requests of `max_tokens` tokens each (EOS ignored, so every mode does the same
 work) run as one continuous batch; each mode runs `repeats` times, interleaved with the other modes so that load
 from elsewhere on the machine spreads over all of them, and the fastest run counts (the work is deterministic, and
-interference from other processes only ever slows a run down). The adaptive controller keeps its
-start-up cost calibration but forgets everything learned online before each of its runs.
+interference from other processes only ever slows a run down). The adaptive controller starts fresh from its
+start-up calibration and then keeps what it learns across its own runs, as a server does across requests.
 """
 from __future__ import annotations
 
+import copy
 import time
 from pathlib import Path
 
 from specdecode.bench.workloads import load_workload
 from specdecode.engine.llm import LLM
 from specdecode.sampling import SamplingParams
+from specdecode.spec.control import SpecController
 
 
 def _timed_generate(llm: LLM, prompts: list[str], max_tokens: int) -> dict:
@@ -48,18 +50,19 @@ def adaptive_sweep(target: str | Path, draft: str | Path, batch_sizes=(1, 2, 4, 
     plain = LLM(target, dtype=dtype, device=device, max_num_seqs=max_batch)
     config = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": max(ks), "adaptive": True}
     spec = LLM(target, dtype=dtype, device=device, speculative_config=config, max_num_seqs=max_batch)
-    controller = spec.controller
+    adaptive = spec.controller
+    # Fixed-K runs get a controller of their own (same start-up calibration), so that they teach the adaptive one
+    # nothing: it learns from its own runs only, as a running server would.
+    fixed = SpecController(copy.deepcopy(adaptive.costs), adaptive.max_k, adaptive.nodes_per_level)
     for llm in (plain, spec):  # first calls pay one-time costs (allocations, lazy imports)
         llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    adaptive.reset()
 
     def run(mode: str, batch: list[str]) -> dict:
         if mode == "plain":
             return _timed_generate(plain, batch, max_tokens)
-        if mode == "adaptive":
-            controller.fixed_k = None
-            controller.reset()
-        else:
-            controller.fixed_k = int(mode[2:])
+        spec.controller = adaptive if mode == "adaptive" else fixed
+        fixed.fixed_k = None if mode == "adaptive" else int(mode[2:])
         return _timed_generate(spec, batch, max_tokens)
 
     modes = ["plain"] + [f"K={k}" for k in ks] + ["adaptive"]
