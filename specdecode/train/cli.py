@@ -69,14 +69,19 @@ def cmd_tokenizer(args) -> int:
     return 0
 
 
-def cmd_lm(args) -> int:
-    _set_threads(args)
+def _train_tokens(args, tokenizer_dir: Path):
+    """The training split encoded with the tokenizer in tokenizer_dir (cached under the run directory)."""
     from specdecode.model.tokenizer import Tokenizer
     from specdecode.train import data
 
     train_docs, _ = _split(args)
-    tokens = data.tokenize_documents(train_docs, Tokenizer(args.tokenizer),
-                                     data.token_cache_path(args.run_dir, args.tokenizer, train_docs))
+    return data.tokenize_documents(train_docs, Tokenizer(tokenizer_dir),
+                                   data.token_cache_path(args.run_dir, tokenizer_dir, train_docs))
+
+
+def cmd_lm(args) -> int:
+    _set_threads(args)
+    tokens = _train_tokens(args, args.tokenizer)
     cfg = _train_config(args)
     config = recipe.model_config(_shape(args, recipe.TARGET_SHAPE), args.tokenizer, cfg.seq_len)
     model, summary = recipe.run_lm_stage(config, tokens, cfg, args.run_dir / "lm", args.resume)
@@ -88,12 +93,8 @@ def cmd_lm(args) -> int:
 def cmd_distill(args) -> int:
     _set_threads(args)
     from specdecode.model.loading import load_model
-    from specdecode.model.tokenizer import Tokenizer
-    from specdecode.train import data
 
-    train_docs, _ = _split(args)
-    tokens = data.tokenize_documents(train_docs, Tokenizer(args.target),
-                                     data.token_cache_path(args.run_dir, args.target, train_docs))
+    tokens = _train_tokens(args, args.target)
     cfg = _train_config(args)
     target = load_model(args.target, dtype="float32", device="cpu")
     config = recipe.model_config(_shape(args, recipe.DRAFT_SHAPE), args.target, cfg.seq_len)
@@ -133,6 +134,21 @@ def cmd_eval(args) -> int:
     print(json.dumps(figures, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
+    return 0
+
+
+def cmd_features(args) -> int:
+    _set_threads(args)
+    from specdecode.model.loading import load_model
+    from specdecode.model.tokenizer import Tokenizer
+    from specdecode.train import speculators
+
+    target = load_model(args.model, dtype=args.dtype, device="cpu")
+    data = speculators.build_feature_cache(target, Tokenizer(args.model), speculators.resolve_data(args.data),
+                                           args.out, args.max_tokens, args.seq_len)
+    data["target_sha256"] = speculators.weights_digest(target)
+    (Path(args.out) / "data.json").write_text(json.dumps(data, indent=1) + "\n")
+    print(json.dumps(data, indent=1))
     return 0
 
 
@@ -178,6 +194,17 @@ def register(sub) -> None:
     p.add_argument("--resume", action="store_true", help="reuse finished stages, continue the interrupted one")
     p.add_argument("--eval-tokens", type=int, default=131072, help="held-out tokens scored by the evaluation")
     p.set_defaults(func=cmd_all)
+
+    p = stages.add_parser("features", help="cache a frozen target's features on conversations (for eagle, "
+                                           "medusa and draft training)")
+    p.add_argument("--model", required=True, help="target checkpoint")
+    p.add_argument("--data", default="sharegpt", help="`sharegpt` or a .json/.jsonl file of conversations")
+    p.add_argument("--out", type=Path, required=True, help="cache folder (resumes if it holds shards)")
+    p.add_argument("--max-tokens", type=int, default=2_000_000, help="training tokens to cache")
+    p.add_argument("--seq-len", type=int, default=1024, help="conversations are cut at this many tokens")
+    p.add_argument("--dtype", default="bfloat16", help="dtype of the target's forward")
+    _threads_arg(p)
+    p.set_defaults(func=cmd_features)
 
     p = sub.add_parser("eval", help="held-out loss of a target and how well a draft predicts it")
     p.add_argument("--target", type=Path, default=DEFAULT_TARGET_DIR)

@@ -1,0 +1,158 @@
+"""Features of a frozen target, computed once and cached on disk for training speculators.
+
+For every token of every training conversation the cache keeps what EAGLE, Medusa and draft distillation
+learn from: the token id, whether it belongs to an answer, the target's last-layer hidden state before the
+final norm (the EAGLE feature; Medusa reads norm(feature)), and the target's top-k next-token probabilities.
+Shards are written whole and renamed into place, so an interrupted run resumes at the first missing shard.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from specdecode.errors import ConfigError
+
+TOP_K = 8
+"""Target probabilities kept per position (the distillation targets)."""
+
+
+@dataclasses.dataclass
+class Example:
+    ids: list[int]
+    """Token ids of one conversation in the chat template."""
+    is_answer: list[bool]
+    """Per token: part of an assistant answer."""
+
+
+@dataclasses.dataclass
+class Shard:
+    """One shard of the cache, memory-mapped. N tokens over S sequences."""
+
+    tokens: np.ndarray  # [N] uint16
+    is_answer: np.ndarray  # [N] bool
+    features: np.ndarray  # [N, D] bfloat16 stored as uint16
+    topk_ids: np.ndarray  # [N, K] int32: the target's K most likely next tokens at each position
+    topk_probs: np.ndarray  # [N, K] float16
+    offsets: np.ndarray  # [S + 1] int64: sequence s is tokens[offsets[s]:offsets[s + 1]]
+
+    @classmethod
+    def open(cls, folder: Path) -> "Shard":
+        meta = json.loads((folder / "meta.json").read_text())
+        n, d, k = meta["tokens"], meta["hidden"], meta["top_k"]
+
+        def mm(name, dtype, shape):
+            return np.memmap(folder / name, dtype=dtype, mode="r", shape=shape)
+
+        return cls(mm("tokens.bin", np.uint16, (n,)), mm("is_answer.bin", np.bool_, (n,)),
+                   mm("features.bin", np.uint16, (n, d)), mm("topk_ids.bin", np.int32, (n, k)),
+                   mm("topk_probs.bin", np.float16, (n, k)), np.load(folder / "offsets.npy"))
+
+    def sequence(self, s: int) -> dict[str, torch.Tensor]:
+        a, b = int(self.offsets[s]), int(self.offsets[s + 1])
+        return {"tokens": torch.from_numpy(self.tokens[a:b].astype(np.int64)),
+                "is_answer": torch.from_numpy(np.array(self.is_answer[a:b])),
+                "features": torch.from_numpy(np.array(self.features[a:b])).view(torch.bfloat16),
+                "topk_ids": torch.from_numpy(self.topk_ids[a:b].astype(np.int64)),
+                "topk_probs": torch.from_numpy(self.topk_probs[a:b].astype(np.float32))}
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+
+def open_cache(folder: Path) -> list[Shard]:
+    shards = sorted(p for p in Path(folder).glob("shard-*") if (p / "meta.json").is_file())
+    if not shards:
+        raise ConfigError(f"{folder} holds no feature shards; run the feature stage of `specdecode train` first")
+    return [Shard.open(p) for p in shards]
+
+
+def _batches(examples: list[Example], max_batch_tokens: int):
+    """Consecutive examples grouped so that batch size x longest example stays under the token budget."""
+    batch, longest = [], 0
+    for ex in examples:
+        longest_if_added = max(longest, len(ex.ids))
+        if batch and longest_if_added * (len(batch) + 1) > max_batch_tokens:
+            yield batch
+            batch, longest_if_added = [], len(ex.ids)
+        batch.append(ex)
+        longest = longest_if_added
+    if batch:
+        yield batch
+
+
+@torch.inference_mode()
+def _run_target(target, batch: list[Example], top_k: int, logit_chunk: int = 1024):
+    """Target features [n_i, D] and top-k (ids, probs) [n_i, K] for each example of a batch (right-padded)."""
+    T = max(len(ex.ids) for ex in batch)
+    ids = torch.zeros(len(batch), T, dtype=torch.long)
+    for row, ex in enumerate(batch):
+        ids[row, :len(ex.ids)] = torch.tensor(ex.ids)
+    last = target.config.num_hidden_layers - 1
+    out = target(ids.to(target.device), hidden_layers=(last,), compute_logits=False)
+    feats = out.layer_hidden[last]  # [B, T, D], before the final norm
+    hidden = out.hidden.reshape(-1, out.hidden.shape[-1])  # [B * T, D], normed
+    top_ids, top_probs = [], []
+    for start in range(0, hidden.shape[0], logit_chunk):
+        logits = target.lm_head(hidden[start:start + logit_chunk]).float()  # [chunk, V]
+        probs, idx = torch.softmax(logits, dim=-1).topk(top_k, dim=-1)
+        top_ids.append(idx)
+        top_probs.append(probs)
+    top_ids = torch.cat(top_ids).view(len(batch), T, top_k)
+    top_probs = torch.cat(top_probs).view(len(batch), T, top_k)
+    for row, ex in enumerate(batch):
+        n = len(ex.ids)
+        yield feats[row, :n], top_ids[row, :n], top_probs[row, :n]
+
+
+def _write_shard(folder: Path, examples: list[Example], outputs: list, hidden: int, top_k: int) -> None:
+    tmp = folder.with_name(folder.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    lengths = [len(ex.ids) for ex in examples]
+    np.concatenate([np.array(ex.ids, dtype=np.uint16) for ex in examples]).tofile(tmp / "tokens.bin")
+    np.concatenate([np.array(ex.is_answer, dtype=np.bool_) for ex in examples]).tofile(tmp / "is_answer.bin")
+    torch.cat([o[0] for o in outputs]).to(torch.bfloat16).view(torch.uint16).numpy().tofile(tmp / "features.bin")
+    torch.cat([o[1] for o in outputs]).to(torch.int32).numpy().tofile(tmp / "topk_ids.bin")
+    torch.cat([o[2] for o in outputs]).to(torch.float16).numpy().tofile(tmp / "topk_probs.bin")
+    np.save(tmp / "offsets.npy", np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
+    (tmp / "meta.json").write_text(json.dumps({"tokens": int(sum(lengths)), "sequences": len(examples),
+                                               "hidden": hidden, "top_k": top_k}))
+    tmp.rename(folder)
+
+
+def extract(target, examples: list[Example], out_dir: Path, shard_tokens: int = 65536,
+            max_batch_tokens: int = 8192, top_k: int = TOP_K) -> int:
+    """Run the frozen target over the examples (in their given order) and write the cache; returns tokens
+    cached. Shards already on disk are kept: the examples they cover are skipped."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    groups, group, size = [], [], 0
+    for ex in examples:  # fixed shard boundaries: a function of the examples only
+        group.append(ex)
+        size += len(ex.ids)
+        if size >= shard_tokens:
+            groups.append(group)
+            group, size = [], 0
+    if group:
+        groups.append(group)
+    total = sum(len(ex.ids) for ex in examples)
+    hidden = target.config.hidden_size
+    with tqdm(total=total, unit="tok", desc="target features", smoothing=0.05) as bar:
+        for i, group in enumerate(groups):
+            folder = out_dir / f"shard-{i:05d}"
+            group_tokens = sum(len(ex.ids) for ex in group)
+            if (folder / "meta.json").is_file():
+                bar.update(group_tokens)
+                continue
+            # Within a shard, similar lengths share a batch (less padding); the shard keeps that order.
+            ordered = sorted(group, key=lambda ex: len(ex.ids))
+            outputs = []
+            for batch in _batches(ordered, max_batch_tokens):
+                outputs.extend(_run_target(target, batch, top_k))
+                bar.update(sum(len(ex.ids) for ex in batch))
+            _write_shard(folder, ordered, outputs, hidden, top_k)
+    return total

