@@ -1,5 +1,6 @@
 """`LLM`: offline generation in the shape vLLM users know, with optional speculative decoding.
 
+    llm = LLM()  # smollm2-135m-instruct, fetched on first use; or LLM(model="file.gguf" or a HF directory)
     llm = LLM(model=DIR, speculative_config={"method": "draft_model", "model": DRAFT, "num_speculative_tokens": 5})
     outputs = llm.generate(["def f(x):"], SamplingParams(temperature=0, max_tokens=64))
 """
@@ -17,24 +18,21 @@ from specdecode.engine.step import StepRunner
 from specdecode.errors import ConfigError
 from specdecode.model.loading import load_model, resolve_device
 from specdecode.model.tokenizer import Tokenizer
+from specdecode.models.registry import model_name, resolve_model
 from specdecode.sampling import SamplingParams
 from specdecode.spec.config import SpeculativeConfig, build_proposer
 from specdecode.spec.control import SpecController, measure_costs
-
-
-def default_model_dir() -> Path:
-    from specdecode.models import DEFAULT_TARGET_DIR
-
-    return DEFAULT_TARGET_DIR
 
 
 class LLM:
     def __init__(self, model: str | Path | None = None, dtype: str = "auto", device: str | None = None,
                  speculative_config: dict | SpeculativeConfig | None = None, max_num_seqs: int = 32,
                  max_model_len: int | None = None):
-        """model: a Hugging Face checkpoint directory (default: specdecode's bundled target).
+        """model: a model name (default: smollm2-135m-instruct, fetched on first use), a .gguf file, or a
+        Hugging Face checkpoint directory.
         speculative_config: vLLM-style dict, e.g. {"method": "ngram", "num_speculative_tokens": 8}."""
-        self.model_dir = Path(model) if model is not None else default_model_dir()
+        self.model_name = model_name(model)
+        self.model_dir = resolve_model(model)
         self.device = resolve_device(device)
         self.target = load_model(self.model_dir, dtype=dtype, device=self.device)
         self.tokenizer = Tokenizer(self.model_dir, self.target.config.eos_token_ids)

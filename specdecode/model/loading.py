@@ -1,4 +1,5 @@
-"""Hugging Face checkpoint directories: load (config.json + safetensors, single or sharded) and save.
+"""Checkpoints: load Hugging Face directories (config.json + safetensors, single or sharded) or GGUF files
+(see gguf.py); save Hugging Face directories.
 
 Only safetensors are read: pickled *.bin weights can run arbitrary code when loaded, so they are refused.
 """
@@ -13,6 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from specdecode.errors import CheckpointError, ConfigError
 from specdecode.model.config import ModelConfig
+from specdecode.model.gguf import find_gguf, gguf_config, gguf_state_dict, open_gguf
 from specdecode.model.llama import LlamaForCausalLM
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -70,16 +72,29 @@ def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def read_checkpoint(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor], str]:
+    """(config, state dict under HF names, what describes the config) of a HF directory or a GGUF file/directory.
+
+    Every format ends here, so that the same name/shape checks and assignment apply to all of them."""
+    gguf_path = find_gguf(path)
+    if gguf_path is not None:
+        ckpt = open_gguf(gguf_path)
+        config = gguf_config(ckpt)
+        return config, gguf_state_dict(ckpt, config, dtype), f"the metadata of {gguf_path.name}"
+    if not path.is_dir():
+        raise CheckpointError(f"model {path} does not exist: pass a Hugging Face checkpoint directory, a .gguf "
+                              "file, or a model name (see `specdecode models`)")
+    return ModelConfig.from_file(path / "config.json"), load_state_dict(path), "its config.json"
+
+
 def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
                device: str | torch.device | None = None) -> LlamaForCausalLM:
-    """Build the decoder described by model_dir/config.json and fill it with its safetensors weights."""
+    """Build the decoder of a checkpoint (HF directory with config.json + safetensors, a .gguf file, or a
+    directory holding one .gguf) and fill it with its weights (GGUF weights are dequantised to dtype)."""
     model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        raise CheckpointError(f"model directory {model_dir} does not exist")
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
-    config = ModelConfig.from_file(model_dir / "config.json")
-    state = load_state_dict(model_dir)
+    config, state, described_by = read_checkpoint(model_dir, dtype)
     model = LlamaForCausalLM(config)  # (building on the meta device would import torch._dynamo: seconds)
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
@@ -88,13 +103,13 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
     unexpected = sorted(k for k in state.keys() - expected if "rotary_emb" not in k)
     if missing or unexpected:
         detail = f"missing {missing[:3]}" if missing else f"unexpected {unexpected[:3]}"
-        raise CheckpointError(f"weights in {model_dir} do not match its config.json ({detail}); "
-                              "the checkpoint and config.json come from different models")
+        raise CheckpointError(f"weights in {model_dir} do not match {described_by} ({detail}); "
+                              "the weights and the config come from different models")
     for name, tensor in state.items():
         want = model.get_parameter(name).shape if name in expected else None
         if want is not None and tuple(tensor.shape) != tuple(want):
-            raise CheckpointError(f"weight {name} in {model_dir} has shape {tuple(tensor.shape)}, config.json "
-                                  f"implies {tuple(want)}; the checkpoint and config.json do not match")
+            raise CheckpointError(f"weight {name} in {model_dir} has shape {tuple(tensor.shape)}, {described_by} "
+                                  f"implies {tuple(want)}; the weights and the config do not match")
     state = {k: v.to(dtype) for k, v in state.items() if k in expected}
     model.load_state_dict(state, assign=True, strict=False)
     if config.tie_word_embeddings:

@@ -1,6 +1,6 @@
-"""Tokenizer of a checkpoint directory: tokenizer.json (the `tokenizers` library) plus tokenizer_config.json
-(special tokens, chat template) and generation_config.json (EOS ids), and an incremental detokenizer for
-streaming whose work per token does not grow with the text.
+"""Tokenizer of a checkpoint: tokenizer.json (the `tokenizers` library) plus tokenizer_config.json
+(special tokens, chat template) and generation_config.json (EOS ids), or the same read from a GGUF file;
+and an incremental detokenizer for streaming whose work per token does not grow with the text.
 """
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from pathlib import Path
 from tokenizers import Tokenizer as HFTokenizer
 
 from specdecode.errors import CheckpointError
+from specdecode.model.gguf import find_gguf, open_gguf
+from specdecode.model.gguf_tokenizer import build_gguf_tokenizer
 
 
 def _read_json(path: Path, required: bool) -> dict:
@@ -30,8 +32,30 @@ def _token_content(value) -> str | None:
 
 
 class Tokenizer:
+    """A checkpoint's tokenizer: from a Hugging Face directory (tokenizer.json + configs) or a GGUF's metadata."""
+
     def __init__(self, model_dir: str | Path, config_eos: list[int] | None = None):
         model_dir = Path(model_dir)
+        gguf_path = find_gguf(model_dir)
+        if gguf_path is not None:
+            spec = build_gguf_tokenizer(open_gguf(gguf_path))
+            self.backend = spec.backend
+            self.bos_token, self.eos_token, self.pad_token = spec.bos_token, spec.eos_token, spec.pad_token
+            self.add_bos_token = spec.add_bos_token
+            self.chat_template = spec.chat_template
+            eos_ids = list(spec.eos_token_ids)
+        else:
+            eos_ids = self._read_hf_dir(model_dir)
+        self.bos_token_id = self.backend.token_to_id(self.bos_token) if self.bos_token else None
+        self.pad_token_id = self.backend.token_to_id(self.pad_token) if self.pad_token else None
+        if self.eos_token and self.backend.token_to_id(self.eos_token) is not None:
+            eos_ids.append(self.backend.token_to_id(self.eos_token))
+        eos_ids += config_eos or []
+        self.eos_token_ids = sorted(set(eos_ids))
+
+    def _read_hf_dir(self, model_dir: Path) -> list[int]:
+        """Set the backend and special tokens from tokenizer.json and its configs; returns the EOS ids of
+        generation_config.json."""
         path = model_dir / "tokenizer.json"
         if not path.is_file():
             raise CheckpointError(f"{path} is missing: specdecode needs a fast tokenizer (tokenizer.json)")
@@ -46,14 +70,8 @@ class Tokenizer:
         self.pad_token = _token_content(cfg.get("pad_token"))
         self.add_bos_token = bool(cfg.get("add_bos_token", False))
         self.chat_template = cfg.get("chat_template")
-        self.bos_token_id = self.backend.token_to_id(self.bos_token) if self.bos_token else None
-        self.pad_token_id = self.backend.token_to_id(self.pad_token) if self.pad_token else None
         eos = gen.get("eos_token_id")
-        eos_ids = ([eos] if isinstance(eos, int) else list(eos)) if eos is not None else []
-        if self.eos_token and self.backend.token_to_id(self.eos_token) is not None:
-            eos_ids.append(self.backend.token_to_id(self.eos_token))
-        eos_ids += config_eos or []
-        self.eos_token_ids = sorted(set(eos_ids))
+        return ([eos] if isinstance(eos, int) else list(eos)) if eos is not None else []
 
     @property
     def vocab_size(self) -> int:

@@ -1,0 +1,215 @@
+"""GGUF checkpoints (llama.cpp's single-file format): the model config from the metadata, and the weights
+dequantised and renamed to the Hugging Face names that the loader already checks.
+
+Read with the `gguf` package (llama.cpp's own reader). GGUF converters permute the rows of llama attention
+q/k weights for llama.cpp's interleaved rotary; that is undone here, so the tensors equal the HF checkpoint's.
+"""
+from __future__ import annotations
+
+import functools
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specdecode.errors import CheckpointError, ConfigError
+from specdecode.model.config import ModelConfig
+
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+"""GGUF general.architecture -> our model_type. Mistral GGUFs are written as llama."""
+PERMUTED_QK_ARCHITECTURES = ("llama",)
+"""Architectures whose q/k rows the converter permuted (llama.cpp's non-NeoX rotary)."""
+SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K",
+                          "Q2_K", "Q3_K")
+"""Tensor types dequantised at load (all through gguf.quants)."""
+
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                 "output.weight": "lm_head.weight"}
+_BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
+GGUF_MAGIC = b"GGUF"
+
+
+def is_gguf_file(path: Path) -> bool:
+    if not path.is_file():
+        return False
+    if path.suffix == ".gguf":
+        return True
+    with open(path, "rb") as f:
+        return f.read(4) == GGUF_MAGIC
+
+
+def find_gguf(path: str | Path) -> Path | None:
+    """The GGUF file that `path` names: the file itself, or the only *.gguf in a directory without a
+    config.json. None when `path` is a Hugging Face directory (or does not exist)."""
+    path = Path(path)
+    if path.is_file():
+        if is_gguf_file(path):
+            return path
+        raise CheckpointError(f"{path} is a file but not a GGUF checkpoint; pass a .gguf file or a Hugging Face "
+                              "directory (config.json + model.safetensors)")
+    if not path.is_dir() or (path / "config.json").is_file():
+        return None
+    found = sorted(path.glob("*.gguf"))
+    if len(found) > 1:
+        names = ", ".join(p.name for p in found[:4])
+        raise CheckpointError(f"{path} holds {len(found)} GGUF files ({names}); pass the one to load as --model FILE")
+    return found[0] if found else None
+
+
+class GGUFCheckpoint:
+    """One opened GGUF file: metadata fields and tensors (memory-mapped, read lazily)."""
+
+    def __init__(self, path: Path):
+        import gguf
+
+        self.path = path
+        try:
+            self.reader = gguf.GGUFReader(str(path))
+        except Exception as exc:  # the reader raises ValueError, KeyError, IndexError... on a damaged file
+            raise CheckpointError(f"{path} is not a readable GGUF file ({type(exc).__name__}: {exc}); it is "
+                                  "truncated or corrupt: download it again") from exc
+        end = max((t.data_offset + int(t.n_bytes) for t in self.reader.tensors), default=0)
+        size = path.stat().st_size
+        if end > size:
+            raise CheckpointError(f"{path} is truncated: its tensors need {end:,} bytes, the file has {size:,}; "
+                                  "download it again")
+        self.architecture = self.get("general.architecture")
+        if self.architecture not in GGUF_ARCHITECTURES:
+            raise ConfigError(f"{path}: GGUF architecture {self.architecture!r} is not supported; specdecode "
+                              f"supports {', '.join(GGUF_ARCHITECTURES)} (Mistral as llama)")
+
+    def get(self, key: str, default=None):
+        field = self.reader.fields.get(key)
+        return default if field is None else field.contents()
+
+    def arch(self, key: str, default=None):
+        """A metadata value under this file's architecture prefix, e.g. arch('block_count')."""
+        return self.get(f"{self.architecture}.{key}", default)
+
+
+@functools.lru_cache(maxsize=2)
+def _open_cached(path: str, mtime_ns: int, size: int) -> GGUFCheckpoint:
+    return GGUFCheckpoint(Path(path))
+
+
+def open_gguf(path: str | Path) -> GGUFCheckpoint:
+    """Open (once: the model and its tokenizer share the parse, which takes seconds for a large vocabulary)."""
+    path = Path(path).resolve()
+    if not path.is_file():
+        raise CheckpointError(f"GGUF file {path} does not exist")
+    stat = path.stat()
+    return _open_cached(str(path), stat.st_mtime_ns, stat.st_size)
+
+
+def gguf_config(ckpt: GGUFCheckpoint) -> ModelConfig:
+    """The ModelConfig that the metadata describes (same rules as a config.json with that model_type)."""
+    tensor_names = {t.name for t in ckpt.reader.tensors}
+    heads = ckpt.arch("attention.head_count")
+    hidden = ckpt.arch("embedding_length")
+    embed = next((t for t in ckpt.reader.tensors if t.name == "token_embd.weight"), None)
+    if embed is None:
+        raise CheckpointError(f"{ckpt.path} has no token_embd.weight tensor; it is not a decoder checkpoint")
+    head_dim = ckpt.arch("attention.key_length") or (hidden // heads if heads else None)
+    rope_dim = ckpt.arch("rope.dimension_count")
+    if rope_dim is not None and head_dim is not None and rope_dim != head_dim:
+        raise ConfigError(f"{ckpt.path}: partial rotary (rope.dimension_count {rope_dim} < head_dim {head_dim}) "
+                          "is not supported")
+    scaling = ckpt.arch("rope.scaling.type")
+    if scaling not in (None, "none") or "rope_freqs.weight" in tensor_names:
+        raise ConfigError(f"{ckpt.path}: rope scaling ({scaling or 'rope_freqs'}) in a GGUF is not supported yet; "
+                          "use the model's Hugging Face checkpoint")
+    eos = [i for i in (ckpt.get("tokenizer.ggml.eos_token_id"), ckpt.get("tokenizer.ggml.eot_token_id"))
+           if i is not None]
+    raw = {
+        "model_type": GGUF_ARCHITECTURES[ckpt.architecture],
+        "vocab_size": int(embed.shape[1]),
+        "hidden_size": hidden,
+        "intermediate_size": ckpt.arch("feed_forward_length"),
+        "num_hidden_layers": ckpt.arch("block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": ckpt.arch("attention.head_count_kv", heads),
+        "head_dim": head_dim,
+        "max_position_embeddings": ckpt.arch("context_length", 2048),
+        "rms_norm_eps": float(ckpt.arch("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(ckpt.arch("rope.freq_base", 10000.0)),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "bos_token_id": ckpt.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": sorted(set(eos)) or None,
+    }
+    try:
+        config = ModelConfig.from_dict(raw)
+    except (ConfigError, TypeError) as exc:
+        raise ConfigError(f"{ckpt.path}: its metadata does not describe a supported model ({exc})") from exc
+    if ckpt.architecture == "llama" and any(n.endswith("attn_q.bias") for n in tensor_names):
+        config.attention_bias = True
+    return config
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """Our (Hugging Face) parameter name for a GGUF tensor name; None for a tensor we do not use."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = _BLOCK.fullmatch(gguf_name)
+    if match and match.group(2) in _LAYER_NAMES:
+        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+    return None
+
+
+def dequantize(tensor, path: Path) -> np.ndarray:
+    """A GGUF tensor as float32 in PyTorch's (row-major, reversed GGUF) shape."""
+    import gguf
+
+    kind = tensor.tensor_type.name
+    if kind not in SUPPORTED_TENSOR_TYPES:
+        raise ConfigError(f"{path}: tensor {tensor.name} has type {kind}, which specdecode cannot dequantise; "
+                          f"supported: {', '.join(SUPPORTED_TENSOR_TYPES)}")
+    values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    return values.reshape([int(n) for n in reversed(tensor.shape)])
+
+
+def unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's convert permutation of q/k rows: per head, row pairs (2i, 2i+1) go back to (i, i + hd/2).
+
+    weight [num_heads * head_dim, ...] (a weight or a bias).
+    """
+    rest = weight.shape[1:]
+    head_dim = weight.shape[0] // num_heads
+    return (weight.reshape(num_heads, head_dim // 2, 2, *rest)  # [H, hd/2, 2, ...]
+            .transpose(1, 2).reshape(weight.shape))
+
+
+def gguf_state_dict(ckpt: GGUFCheckpoint, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every tensor of the file under its HF name, dequantised to `dtype`; unknown tensors are reported by the
+    loader's unexpected-weight check under their GGUF name."""
+    state = {}
+    permuted = ckpt.architecture in PERMUTED_QK_ARCHITECTURES
+    for tensor in ckpt.reader.tensors:
+        name = hf_name(tensor.name) or tensor.name
+        values = dequantize(tensor, ckpt.path)
+        if not values.flags.writeable:  # F32 comes back as a view of the read-only memory map
+            values = values.copy()
+        weight = torch.from_numpy(np.ascontiguousarray(values))
+        if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
+            weight = unpermute_rows(weight, config.num_attention_heads)
+        elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
+            weight = unpermute_rows(weight, config.num_key_value_heads)
+        state[name] = weight.to(dtype)
+    return state
+
