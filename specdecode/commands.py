@@ -7,6 +7,16 @@ def _generate(sub):
     register(sub)
 
 
+def _chat(sub):
+    from specdecode.engine.chat import register
+    register(sub)
+
+
+def _models(sub):
+    from specdecode.models.cli import register
+    register(sub)
+
+
 def _train(sub):
     from specdecode.train.cli import register
     register(sub)
@@ -22,4 +32,4 @@ def _bench(sub):
     register(sub)
 
 
-REGISTRY = [_generate, _serve, _train, _bench]
+REGISTRY = [_generate, _chat, _serve, _models, _train, _bench]

@@ -27,9 +27,10 @@ def register(sub) -> None:
                    help="a run of a few minutes: 3 prompts x 48 tokens, sweep with K in {2,4}, 32 tokens, 1 repeat "
                         "(explicit flags still win)")
     p.add_argument("--out", type=Path, default=Path("bench_results"), help="output folder (default bench_results)")
-    p.add_argument("--model", type=Path, default=None, help="target checkpoint (default: the bundled target)")
+    p.add_argument("--model", default=None,
+                   help="target: a model name, .gguf file or checkpoint directory (default: smollm2-135m-instruct)")
     p.add_argument("--speculative-model", type=Path, default=None,
-                   help="draft checkpoint (default with the bundled target: the bundled draft)")
+                   help="draft checkpoint (default: none, so only the methods without a draft model run)")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, from {', '.join(WORKLOADS)}")
     p.add_argument("--methods", default=None,
                    help="comma-separated speculative methods (default all: draft_chain, draft_tree, ngram, adaptive)")
@@ -49,18 +50,14 @@ def register(sub) -> None:
 
 
 def _checkpoints(args) -> tuple[Path, Path | None]:
-    """(target, draft): the flags, or the bundled pair."""
-    from specdecode.models import DEFAULT_DRAFT_DIR, DEFAULT_TARGET_DIR
+    """(target, draft): --model (a name, .gguf or directory; default the default named model, fetched on first
+    use) and --speculative-model (none: only the methods that need no draft model run)."""
+    from specdecode.models.registry import resolve_model
 
-    target = args.model or DEFAULT_TARGET_DIR
     draft = args.speculative_model
-    if draft is None and Path(target).resolve() == DEFAULT_TARGET_DIR.resolve():
-        draft = DEFAULT_DRAFT_DIR
-    for path, flag in ((target, "--model"), (draft, "--speculative-model")):
-        if path is not None and not (Path(path) / "config.json").is_file():
-            raise CheckpointError(f"{path} has no config.json; pass {flag} DIR (bundled models come from "
-                                  "`specdecode train all`)")
-    return Path(target), draft and Path(draft)
+    if draft is not None and not (Path(draft) / "config.json").is_file():
+        raise CheckpointError(f"{draft} has no config.json; pass --speculative-model DIR (a draft checkpoint)")
+    return resolve_model(args.model), draft and Path(draft)
 
 
 def cmd_bench(args) -> int:

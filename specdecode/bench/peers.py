@@ -42,14 +42,17 @@ class TransformersEngine:
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", shared_target=None):
         import transformers
 
+        from specdecode.model.gguf import transformers_source
+
         if mode not in PEER_MODES:
             raise ValueError(f"unknown transformers mode {mode!r}; choose from {', '.join(PEER_MODES)}")
         transformers.logging.set_verbosity_error()
         transformers.utils.logging.disable_progress_bar()
         self.mode = mode
         self.device = torch.device(device)
+        source, kwargs = transformers_source(target_dir)  # a GGUF target is read by transformers' GGUF loader
         self.model = shared_target or transformers.AutoModelForCausalLM.from_pretrained(
-            target_dir, dtype=dtype).to(self.device).eval()
+            source, dtype=dtype, **kwargs).to(self.device).eval()
         self.assistant = None
         config = copy.deepcopy(self.model.generation_config)
         config.do_sample = False

@@ -109,7 +109,18 @@ class LLM:
         bar.close()
         return [s.output() for s in seqs]
 
-    def stream(self, prompt: str, params: SamplingParams) -> Iterator[str]:
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        """Answer one conversation ([{"role": "user", "content": ...}, ...]) or a list of them, each rendered with
+        the model's chat template (as vLLM's LLM.chat)."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        outputs = self.generate([self.tokenizer.encode_chat(c) for c in conversations], sampling_params, use_tqdm)
+        for out, conversation in zip(outputs, conversations):
+            out.prompt = self.tokenizer.apply_chat_template(conversation)
+        return outputs
+
+    def stream(self, prompt: str | list[int], params: SamplingParams) -> Iterator[str]:
         """Yield the text of one prompt as it is generated."""
         seq = self.make_sequence(prompt, params)
         for deltas in self._run([seq]):

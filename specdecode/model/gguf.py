@@ -73,6 +73,15 @@ def find_gguf(path: str | Path) -> Path | None:
     return found[0] if found else None
 
 
+def transformers_source(path: str | Path) -> tuple[str, dict]:
+    """(pretrained_model_name_or_path, extra kwargs) for transformers' from_pretrained on one of our checkpoint
+    paths: a GGUF becomes (its directory, {"gguf_file": its name}); a HF directory is passed as is."""
+    gguf_path = find_gguf(path)
+    if gguf_path is None:
+        return str(path), {}
+    return str(gguf_path.parent), {"gguf_file": gguf_path.name}
+
+
 class GGUFCheckpoint:
     """One opened GGUF file: metadata fields and tensors (memory-mapped, read lazily)."""
 

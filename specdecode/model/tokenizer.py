@@ -105,6 +105,11 @@ class Tokenizer:
             bos_token=self.bos_token or "", eos_token=self.eos_token or "")
 
 
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a conversation rendered with the chat template (which writes any BOS itself)."""
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+
+
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas, decoding only a short window each time.
 

@@ -54,6 +54,22 @@ MODELS = {m.name: m for m in [
 ]}
 
 
+DEFAULT_SPECULATORS: dict[str, dict | None] = {
+    "smollm2-135m-instruct": None,  # plain decoding until a trained speculator ships (prompt lookup loses here)
+}
+"""Named model -> the speculative_config used when no speculative flag is given (None = plain decoding).
+A shipped speculator is an entry here, e.g. {"method": "eagle", "model": "<path of its head>"}."""
+
+
+def default_speculative_config(model: str | Path | None) -> dict | None:
+    """The shipped speculator of a named model (None for paths and for models without one)."""
+    name = DEFAULT_MODEL if model is None else str(model)
+    if name not in MODELS or Path(name).exists():
+        return None
+    config = DEFAULT_SPECULATORS.get(name)
+    return dict(config) if config is not None else None
+
+
 def cache_dir() -> Path:
     """$SPECDECODE_CACHE, default ~/.cache/specdecode."""
     return Path(os.environ.get("SPECDECODE_CACHE") or Path.home() / ".cache" / "specdecode")

@@ -12,11 +12,12 @@ def register(sub) -> None:
                        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics. "
                                    "The engine batches requests continuously and chooses how many tokens to draft "
                                    "each step from measured costs and acceptance rates.")
-    p.add_argument("--model", type=Path, default=None,
-                   help="Hugging Face checkpoint directory (default: specdecode's bundled target)")
+    p.add_argument("--model", default=None,
+                   help="a model name (fetched on first use), a .gguf file, or a Hugging Face checkpoint directory "
+                        "(default: smollm2-135m-instruct)")
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send and /v1/models lists (default: the --model argument, "
-                        "or 'specdecode' for the bundled target)")
+                        "or smollm2-135m-instruct for the default model)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
@@ -30,7 +31,7 @@ def register(sub) -> None:
     spec.add_argument("--speculative-method", choices=METHODS, default=None,
                       help="draft_model (a small model drafts) or ngram (prompt lookup)")
     spec.add_argument("--speculative-model", type=Path, default=None,
-                      help="draft checkpoint directory (default with the bundled target: the bundled draft)")
+                      help="draft checkpoint directory")
     spec.add_argument("--num-speculative-tokens", type=int, default=None,
                       help="most draft tokens per step K (default 5)")
     spec.add_argument("--num-drafts", type=int, default=None, help="draft_model: chains per step (default 1)")
@@ -52,7 +53,7 @@ def cmd_serve(args) -> int:
     from specdecode.errors import ConfigError
     from specdecode.server.app import build_app
 
-    model_dir, config, is_bundled_target = resolve_models(args)
+    model_dir, config, model_name = resolve_models(args)
     if config is not None:
         config["adaptive"] = args.adaptive
         if args.disable_by_batch_size is not None:
@@ -62,7 +63,7 @@ def cmd_serve(args) -> int:
     llm = LLM(model=model_dir, dtype=args.dtype, device=args.device, speculative_config=config,
               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
     engine = AsyncEngine(llm, max_waiting=args.max_waiting)
-    name = args.served_model_name or ("specdecode" if is_bundled_target else str(args.model))
+    name = args.served_model_name or model_name
     app = build_app(engine, name, api_key=args.api_key)
     engine.start()
     try:
