@@ -1,8 +1,9 @@
 """One Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3), configured by ModelConfig.
 
 Two forwards share the same weights: a training forward (full causal attention, no cache) and an inference
-forward over a static KVCache, with explicit position ids per token and an optional draft-tree mask. Parameter
-names match Hugging Face's, so a checkpoint's state dict loads as is.
+forward over a static KVCache, with explicit position ids per token and an optional draft-tree mask. State-dict
+names match Hugging Face's, so a checkpoint's state dict loads as is; inside, q/k/v and gate/up are stacked into
+one matrix each (see stack_under_hf_names). The linear backend is chosen after loading (model/linear.py).
 """
 from __future__ import annotations
 
@@ -47,6 +48,27 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
 
 
+def stack_under_hf_names(module: nn.Module, stacked: str, parts: tuple[str, ...], sizes: tuple[int, ...]) -> None:
+    """Keep the projections `parts` of `module` (Hugging Face names, e.g. q_proj, k_proj, v_proj) as one
+    nn.Linear `stacked` whose output rows are theirs in order (`sizes` rows each): one matrix product instead of
+    several. State dicts still speak the parts' names: loading stacks them, state_dict() splits them (as views)."""
+
+    def stack_on_load(mod, state_dict, prefix, *args):
+        for kind in ("weight", "bias"):
+            keys = [f"{prefix}{part}.{kind}" for part in parts]
+            if all(k in state_dict for k in keys):
+                state_dict[f"{prefix}{stacked}.{kind}"] = torch.cat([state_dict.pop(k) for k in keys])
+
+    def split_on_save(mod, state_dict, prefix, local_metadata):
+        for kind in ("weight", "bias"):
+            value = state_dict.pop(f"{prefix}{stacked}.{kind}", None)
+            if value is not None:
+                state_dict.update({f"{prefix}{part}.{kind}": chunk for part, chunk in zip(parts, value.split(sizes))})
+
+    module.register_load_state_dict_pre_hook(stack_on_load)
+    module.register_state_dict_post_hook(split_on_save)
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
@@ -55,9 +77,9 @@ class Attention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         d, hd, bias = config.hidden_size, config.head_dim, config.attention_bias
-        self.q_proj = nn.Linear(d, self.num_heads * hd, bias=bias)
-        self.k_proj = nn.Linear(d, self.num_kv_heads * hd, bias=bias)
-        self.v_proj = nn.Linear(d, self.num_kv_heads * hd, bias=bias)
+        self.sizes = (self.num_heads * hd, self.num_kv_heads * hd, self.num_kv_heads * hd)  # q, k, v
+        self.qkv_proj = nn.Linear(d, sum(self.sizes), bias=bias)
+        stack_under_hf_names(self, "qkv_proj", ("q_proj", "k_proj", "v_proj"), self.sizes)
         self.o_proj = nn.Linear(self.num_heads * hd, d, bias=False)
         if config.qk_norm:
             self.q_norm = RMSNorm(hd, config.rms_norm_eps)
@@ -68,9 +90,10 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: "_CacheContext | None"):
         """x [B * T, D] (token-major), cos/sin [B, 1, T, hd] -> [B * T, D]."""
         B, T = cos.shape[0], cos.shape[2]
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)  # [B * T, heads * hd], [B * T, kv_heads * hd] x 2
+        q = q.view(B, T, self.num_heads, self.head_dim)
+        k = k.view(B, T, self.num_kv_heads, self.head_dim)
+        v = v.view(B, T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, hd]
@@ -87,12 +110,14 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        stack_under_hf_names(self, "gate_up_proj", ("gate_proj", "up_proj"), (config.intermediate_size,) * 2)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [B * T, ffn] each
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

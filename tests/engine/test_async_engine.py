@@ -15,7 +15,7 @@ PROMPTS = ["def add(a, b):", "class Point:", "for i in range(10):", "import os",
 def llm_factory(tiny_models):
     def make(max_num_seqs=4):
         config = {"model": str(tiny_models["draft"]), "num_speculative_tokens": 3}
-        return LLM(tiny_models["target"], speculative_config=config, max_num_seqs=max_num_seqs)
+        return LLM(tiny_models["target"], dtype="float32", speculative_config=config, max_num_seqs=max_num_seqs)
     return make
 
 

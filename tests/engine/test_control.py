@@ -190,14 +190,15 @@ def test_adaptive_llm_is_lossless_and_respects_disable_by_batch_size(tiny_models
 
     prompts = ["def add(a, b):", "class Point:", "for i in range(10):"]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    plain = LLM(tiny_models["target"], max_num_seqs=4).generate(prompts, params)
+    plain = LLM(tiny_models["target"], dtype="float32", max_num_seqs=4).generate(prompts, params)
     config = {"model": str(tiny_models["draft"]), "num_speculative_tokens": 3, "adaptive": True}
-    adaptive = LLM(tiny_models["target"], speculative_config=config, max_num_seqs=4)
+    adaptive = LLM(tiny_models["target"], dtype="float32", speculative_config=config, max_num_seqs=4)
     assert adaptive.controller is not None
     outputs = adaptive.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in plain]
 
-    disabled = LLM(tiny_models["target"], speculative_config={**config, "disable_by_batch_size": 3}, max_num_seqs=4)
+    disabled = LLM(tiny_models["target"], dtype="float32",
+                   speculative_config={**config, "disable_by_batch_size": 3}, max_num_seqs=4)
     outputs = disabled.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in plain]
     assert disabled.total_stats.draft_tokens == 0

@@ -162,21 +162,3 @@ def test_reduced_precision_checkpoint_upcast(tiny_models, tmp_path):
     assert loaded.dtype == torch.float32
     expected = model.model.embed_tokens.weight.to(torch.bfloat16).float()
     assert torch.equal(loaded.model.embed_tokens.weight, expected)
-
-
-def test_cpu_weight_layout_keeps_values_and_files(tiny_models, tmp_path):
-    """On CPU, Linear weights are stored column-major for fast decoding; values, shapes and saved files are the
-    checkpoint's."""
-    from safetensors.torch import load_file
-
-    from specdecode.model.loading import save_model
-
-    model = load_model(tiny_models["target"], dtype="float32", device="cpu")
-    weight = model.model.layers[0].mlp.up_proj.weight
-    assert weight.stride() == (1, weight.shape[0])
-    assert model.model.embed_tokens.weight.is_contiguous()
-    save_model(model, tmp_path / "again", dtype=torch.float32)
-    original = load_file(str(tiny_models["target"] / "model.safetensors"))
-    saved = load_file(str(tmp_path / "again" / "model.safetensors"))
-    assert original.keys() == saved.keys()
-    assert all(torch.equal(original[k], saved[k]) for k in original)

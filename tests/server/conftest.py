@@ -44,8 +44,8 @@ def speculative_config(tiny_models, **extra) -> dict:
 @pytest.fixture(scope="module")
 def server(tiny_models):
     """Adaptive speculation, 8 slots (so 16 clients also exercise the waiting queue)."""
-    llm = LLM(tiny_models["target"], speculative_config=speculative_config(tiny_models, adaptive=True),
-              max_num_seqs=8)
+    llm = LLM(tiny_models["target"], dtype="float32",
+              speculative_config=speculative_config(tiny_models, adaptive=True), max_num_seqs=8)
     with running_server(llm) as s:
         yield s
 
@@ -53,4 +53,5 @@ def server(tiny_models):
 @pytest.fixture(scope="module")
 def reference(tiny_models):
     """Offline LLM with the same checkpoints, for the texts the server must reproduce."""
-    return LLM(tiny_models["target"], speculative_config=speculative_config(tiny_models), max_num_seqs=16)
+    return LLM(tiny_models["target"], dtype="float32", speculative_config=speculative_config(tiny_models),
+               max_num_seqs=16)

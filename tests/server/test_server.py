@@ -214,7 +214,7 @@ def test_a_client_that_gives_up_on_a_non_streaming_request_frees_its_slot(server
 @pytest.fixture(scope="module")
 def small_server(tiny_models):
     """One slot, no waiting room, an API key, no speculation."""
-    llm = LLM(tiny_models["target"], max_num_seqs=1)
+    llm = LLM(tiny_models["target"], dtype="float32", max_num_seqs=1)
     with running_server(llm, api_key="sesame", max_waiting=0) as s:
         yield s
 

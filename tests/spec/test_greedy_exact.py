@@ -29,7 +29,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def reference(tiny_models):
-    llm = LLM(str(tiny_models["target"]), max_num_seqs=8)
+    llm = LLM(str(tiny_models["target"]), dtype="float32", max_num_seqs=8)
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
 
 
@@ -44,7 +44,8 @@ SPEC_CONFIGS = {
 @pytest.mark.parametrize("batch", [1, 8])
 @pytest.mark.parametrize("method", list(SPEC_CONFIGS))
 def test_greedy_speculation_is_exact(tiny_models, reference, method, batch):
-    llm = LLM(str(tiny_models["target"]), speculative_config=SPEC_CONFIGS[method](tiny_models), max_num_seqs=batch)
+    llm = LLM(str(tiny_models["target"]), dtype="float32", speculative_config=SPEC_CONFIGS[method](tiny_models),
+              max_num_seqs=batch)
     if batch == 1:
         outputs = [llm.generate(p, GREEDY)[0] for p in PROMPTS]
     else:
@@ -58,7 +59,7 @@ def test_greedy_speculation_is_exact(tiny_models, reference, method, batch):
 
 
 def test_statistics_are_consistent(tiny_models):
-    llm = LLM(str(tiny_models["target"]), speculative_config=SPEC_CONFIGS["draft_chain"](tiny_models))
+    llm = LLM(str(tiny_models["target"]), dtype="float32", speculative_config=SPEC_CONFIGS["draft_chain"](tiny_models))
     outputs = llm.generate(PROMPTS[:8], GREEDY)
     for out in outputs:
         m = out.metrics
@@ -83,22 +84,22 @@ def test_draft_with_another_tokenizer_is_refused(tiny_models, tmp_path):
     vocab[a], vocab[b] = vocab[b], vocab[a]  # same tokens, two ids swapped
     (tmp_path / "draft" / "tokenizer.json").write_text(json.dumps(tok))
     with pytest.raises(IncompatibleDraftError, match=re.escape(f"token {a!r} has id")):
-        LLM(str(tiny_models["target"]), speculative_config={"model": str(tmp_path / "draft")})
+        LLM(str(tiny_models["target"]), dtype="float32", speculative_config={"model": str(tmp_path / "draft")})
 
     cfg = json.loads((tiny_models["draft"] / "tokenizer_config.json").read_text())
     shutil.copy(tiny_models["draft"] / "tokenizer.json", tmp_path / "draft" / "tokenizer.json")
     (tmp_path / "draft" / "tokenizer_config.json").write_text(json.dumps({**cfg, "eos_token": "<|pad|>"}))
     with pytest.raises(IncompatibleDraftError, match="special token eos_token"):
-        LLM(str(tiny_models["target"]), speculative_config={"model": str(tmp_path / "draft")})
+        LLM(str(tiny_models["target"]), dtype="float32", speculative_config={"model": str(tmp_path / "draft")})
 
 
 def test_bad_speculative_config_is_refused(tiny_models):
     with pytest.raises(ConfigError, match="unknown speculative_config key"):
-        LLM(str(tiny_models["target"]), speculative_config={"method": "ngram", "num_spec_tokens": 3})
+        LLM(str(tiny_models["target"]), dtype="float32", speculative_config={"method": "ngram", "num_spec_tokens": 3})
     with pytest.raises(ConfigError, match="method 'medusa' is unknown"):
-        LLM(str(tiny_models["target"]), speculative_config={"method": "medusa"})
+        LLM(str(tiny_models["target"]), dtype="float32", speculative_config={"method": "medusa"})
     with pytest.raises(ConfigError, match="needs \"model\""):
-        LLM(str(tiny_models["target"]), speculative_config={"method": "draft_model"})
+        LLM(str(tiny_models["target"]), dtype="float32", speculative_config={"method": "draft_model"})
 
 
 def _bundled():

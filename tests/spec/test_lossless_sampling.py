@@ -52,7 +52,7 @@ def vocab8(tmp_path_factory):
 
 
 def exact_distribution(model_dir, params: SamplingParams) -> dict[tuple[int, ...], float]:
-    llm = LLM(str(model_dir))
+    llm = LLM(str(model_dir), dtype="float32")
     t, k, p = (torch.tensor([params.temperature]), torch.tensor([params.top_k]), torch.tensor([params.top_p]))
 
     def probs_after(prefixes):
@@ -74,7 +74,7 @@ def exact_distribution(model_dir, params: SamplingParams) -> dict[tuple[int, ...
 
 
 def speculative_samples(model_dir, spec_config, params: SamplingParams) -> list[tuple[int, ...]]:
-    llm = LLM(str(model_dir), speculative_config=spec_config, max_num_seqs=SAMPLES)
+    llm = LLM(str(model_dir), dtype="float32", speculative_config=spec_config, max_num_seqs=SAMPLES)
     k = spec_config["num_speculative_tokens"]
     per_request = [SamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                                   max_tokens=k + 3, seed=i, ignore_eos=True) for i in range(SAMPLES)]
