@@ -69,3 +69,28 @@ def tiny_models(tmp_path_factory):
     make_checkpoint(root / "draft", root / "tok", seed=1, layers=3, base=target, noise=0.005)
     make_checkpoint(root / "other_draft", root / "tok", seed=2, layers=1, hidden=32)
     return {name: root / name for name in ("target", "draft", "other_draft", "tok")}
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The GGUF of SmolLM2-135M-Instruct, fetched once per run through the project's own pull code into
+    $SPECDECODE_CACHE (CI points it at a folder it keeps for the run; default ~/.cache/specdecode)."""
+    from specdecode.models.registry import DEFAULT_MODEL, pull
+
+    return pull(DEFAULT_MODEL, quiet=True)
+
+
+@pytest.fixture(autouse=True)
+def no_unexpected_download(request, monkeypatch, tmp_path_factory):
+    """A test that does not ask for `smollm2` sees an empty model cache and cannot download: whatever falls back
+    to the default model by mistake fails loudly instead of fetching 93 MB."""
+    if "smollm2" in request.fixturenames:
+        return
+    from specdecode.models import registry
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("this test tried to download a named model; ask for the smollm2 fixture or pass "
+                             "an explicit model path")
+
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path_factory.getbasetemp() / "empty-model-cache"))
+    monkeypatch.setattr(registry, "_download_wheel", refuse)
