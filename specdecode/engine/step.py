@@ -14,7 +14,7 @@ import torch
 from specdecode.engine.sequence import Sequence
 from specdecode.model.llama import LlamaForCausalLM
 from specdecode.sampling import params_tensors, processed_probs, sample_rows
-from specdecode.spec.proposers.base import Proposer
+from specdecode.spec.proposers.base import NO_FEATURES, Proposer, TargetFeatures
 from specdecode.spec.tree import DraftTree, tree_shape
 from specdecode.spec.verify import VerifyResult, verify_chains, verify_greedy, verify_sampling
 
@@ -60,6 +60,8 @@ class StepRunner:
         self.max_len = 0
         self.last_report: StepReport | None = None
         self.joined: set[str] = set()  # requests the proposer holds
+        # Target hidden states the proposer reads (EAGLE, Medusa), taken from the passes that verify.
+        self.features = proposer.feature_request if proposer is not None else NO_FEATURES
 
     def ensure_capacity(self, slots: int, max_len: int, tree_size: int) -> None:
         """Caches for `slots` sequences of up to max_len tokens, plus room for one verified tree."""
@@ -80,7 +82,8 @@ class StepRunner:
         lens = [len(s.token_ids) for s in seqs]
         width = max(lens)
         ids = torch.tensor([s.token_ids + [0] * (width - len(s.token_ids)) for s in seqs], device=device)
-        hidden = self.target(ids, cache=self.cache, slots=slots, compute_logits=False).hidden
+        out = self.target(ids, cache=self.cache, slots=slots, compute_logits=False, hidden_layers=self.features.layers)
+        hidden = out.hidden
         last = hidden[torch.arange(len(seqs), device=device), torch.tensor(lens, device=device) - 1]  # [B, D]
         logits = self.target.lm_head(last)  # [B, V]
         self.cache.advance(slots, torch.tensor(lens))
@@ -90,6 +93,8 @@ class StepRunner:
         for seq, token in zip(seqs, first):
             seq.stats.verify_time += elapsed
             deltas.append(self._append(seq, [token]))
+        if self.features.wanted:
+            self.proposer.observe_target(seqs, TargetFeatures.select(out, self.features, lens))
         return deltas
 
     def _join(self, seqs: list[Sequence], budgets: list[int]) -> float:
@@ -105,7 +110,7 @@ class StepRunner:
 
     def release(self, seq: Sequence) -> None:
         """A sequence leaves: free what the proposer holds for it."""
-        if seq.request_id in self.joined:
+        if seq.request_id in self.joined or self.features.wanted:  # a feature reader holds every sequence
             self.joined.discard(seq.request_id)
             self.proposer.remove(seq)
 
@@ -144,19 +149,20 @@ class StepRunner:
         for b, tree in enumerate(trees):
             ids[b, 1:1 + len(tree)] = tree.tokens
         if width == 1:
-            out = self.target(ids.to(device), cache=self.cache, slots=slots)
+            out = self.target(ids.to(device), cache=self.cache, slots=slots, hidden_layers=self.features.layers)
         else:
             layouts = [verify_layout(t.parents, width) for t in trees]
             mask = torch.stack([m for m, _ in layouts])  # [B, W, W]
             positions = self.cache.lengths[slots][:, None] + torch.stack([o for _, o in layouts])  # [B, W]
             out = self.target(ids.to(device), positions=positions.to(device), cache=self.cache, slots=slots,
-                              tree_mask=mask.to(device))
+                              tree_mask=mask.to(device), hidden_layers=self.features.layers)
         results = self._verify(seqs, trees, out.logits)
 
         A = max(len(r.accepted) for r in results) + 1
         kept = torch.tensor([[0] + [c + 1 for c in r.accepted] + [0] * (A - 1 - len(r.accepted))
                              for r in results])  # [B, A]
-        self.cache.commit(slots, kept, torch.tensor([1 + len(r.accepted) for r in results]))
+        n_kept = [1 + len(r.accepted) for r in results]
+        self.cache.commit(slots, kept, torch.tensor(n_kept))
         t2 = time.perf_counter()
 
         deltas = []
@@ -166,6 +172,8 @@ class StepRunner:
             deltas.append(self._append(seq, tokens))
         if self.proposer is not None:
             self.proposer.observe(seqs, trees, results)
+        if self.features.wanted:  # the hidden states at the root and the accepted path of each row
+            self.proposer.observe_target(seqs, TargetFeatures.select(out, self.features, n_kept, kept))
         self.last_report = StepReport(width, t1 - t0, t2 - t1, [len(t) for t in trees],
                                       [len(r.accepted) for r in results], join_time)
         return deltas

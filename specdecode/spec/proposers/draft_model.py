@@ -12,6 +12,7 @@ import torch
 from specdecode.errors import ConfigError
 from specdecode.model.llama import LlamaForCausalLM
 from specdecode.sampling import params_tensors, processed_probs, sample_rows
+from specdecode.spec.proposers.base import NO_FEATURES
 from specdecode.spec.tree import DraftTree
 
 
@@ -44,6 +45,8 @@ class _Pending:
 
 
 class DraftModelProposer:
+    feature_request = NO_FEATURES
+
     def __init__(self, config: DraftModelConfig, model: LlamaForCausalLM):
         self.config = config
         self.model = model

@@ -9,6 +9,7 @@ import dataclasses
 import torch
 
 from specdecode.errors import ConfigError
+from specdecode.spec.proposers.base import NO_FEATURES
 from specdecode.spec.tree import DraftTree
 
 
@@ -64,6 +65,8 @@ class _NgramIndex:
 
 
 class NgramProposer:
+    feature_request = NO_FEATURES
+
     def __init__(self, config: NgramConfig):
         self.config = config
         self.indices: dict[str, _NgramIndex] = {}
