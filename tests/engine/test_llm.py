@@ -147,3 +147,22 @@ def test_empty_prompt(llm, prompt):
 def test_params_count_must_match_prompts(llm):
     with pytest.raises(ConfigError, match="2 sampling params for 3 prompts"):
         llm.generate(PROMPTS, [SamplingParams(), SamplingParams()])
+
+
+def test_chat_renders_the_template(llm):
+    conversation = [{"role": "user", "content": "def add"}]
+    [out] = llm.chat(conversation, SamplingParams(temperature=0, max_tokens=5))
+    assert out.prompt == "<|user|>def add\n<|assistant|>"
+    assert out.prompt_token_ids == llm.tokenizer.encode_chat(conversation)
+    assert out.outputs[0].token_ids == llm.generate([out.prompt_token_ids],
+                                                    SamplingParams(temperature=0, max_tokens=5))[0].outputs[0].token_ids
+    assert len(llm.chat([conversation, conversation])) == 2
+
+
+def test_default_model(smollm2):
+    """LLM() is SmolLM2-135M-Instruct from the model cache."""
+    llm = LLM(dtype="float32")
+    assert llm.model_dir == smollm2 and llm.model_name == "smollm2-135m-instruct"
+    [out] = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                     SamplingParams(temperature=0, max_tokens=12))
+    assert out.outputs[0].text == "The capital of France is Paris." and out.outputs[0].finish_reason == "stop"

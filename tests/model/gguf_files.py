@@ -86,7 +86,7 @@ def tokenizer_metadata(tokenizer_json: Path) -> tuple[list[str], list[int], list
 
 
 def write_gguf(path: Path, model: LlamaForCausalLM, tokenizer_json: Path, variant: str, qtype: str,
-               pre: str = "default", chat_template: str | None = None, seed: int = 0) -> Path:
+               pre: str = "default", chat_template: str | None = None, add_bos: bool = False, seed: int = 0) -> Path:
     """Write `model` (and the tokenizer) as a GGUF with every matrix in `qtype`. K-quant files hold random
     blocks instead of the model's weights (gguf cannot quantise to them); the others hold the model, rounded."""
     import gguf
@@ -116,7 +116,7 @@ def write_gguf(path: Path, model: LlamaForCausalLM, tokenizer_json: Path, varian
     writer.add_token_merges(merges)
     writer.add_bos_token_id(special.get("<|bos|>", 0))
     writer.add_eos_token_id(special.get("<|eos|>", 1))
-    writer.add_add_bos_token(False)
+    writer.add_add_bos_token(add_bos)
     if chat_template:
         writer.add_chat_template(chat_template)
     kind = gguf.GGMLQuantizationType[qtype]

@@ -164,3 +164,19 @@ def test_tokenizer_equals_transformers_gguf_tokenizer(written, pre):
     assert ours.apply_chat_template(messages) == theirs.apply_chat_template(messages, tokenize=False,
                                                                             add_generation_prompt=True)
     assert ours.bos_token == "<|bos|>" and ours.eos_token == "<|eos|>" and ours.eos_token_ids == [1]
+
+
+def test_llm_on_a_gguf_generates_as_on_the_hf_checkpoint(tiny_models, tmp_path):
+    """The tiny target written as an F32 GGUF (weights and tokenizer) decodes exactly like its HF directory."""
+    from specdecode.engine.llm import LLM
+    from specdecode.sampling import SamplingParams
+
+    source = load_model(tiny_models["target"], dtype="float32", device="cpu")
+    path = write_gguf(tmp_path / "target.gguf", source, tiny_models["target"] / "tokenizer.json", "llama", "F32",
+                      add_bos=True)  # as the directory's tokenizer_config.json says
+    params = SamplingParams(temperature=0, max_tokens=12)
+    prompts = ["def add(a, b):", "class Point:\n"]
+    from_gguf = LLM(model=path, dtype="float32", device="cpu").generate(prompts, params)
+    from_dir = LLM(model=tiny_models["target"], dtype="float32", device="cpu").generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in from_gguf] == [o.outputs[0].token_ids for o in from_dir]
+    assert [o.prompt_token_ids for o in from_gguf] == [o.prompt_token_ids for o in from_dir]
