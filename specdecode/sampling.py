@@ -1,4 +1,5 @@
-"""Sampling parameters and logits -> processed probabilities (temperature, top-k, top-p).
+"""Sampling parameters, logits -> processed probabilities (temperature, top-k, top-p), and each request's random
+numbers.
 
 Plain decoding, the draft proposers and the verifier all call `processed_probs`, so the distribution the
 verifier preserves is exactly the one plain sampling draws from.
@@ -7,9 +8,15 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 
 from specdecode.errors import ConfigError
+
+MIN_TEMPERATURE = 1e-5
+"""Temperatures below this are greedy: logits / 1e-40 overflow to inf and softmax would give NaN."""
+MAX_TOP_K = 2**31 - 1
+"""Largest top_k accepted (any k >= the vocabulary keeps every token; larger ones cannot become tensors)."""
 
 
 @dataclasses.dataclass
@@ -17,11 +24,12 @@ class SamplingParams:
     """Per-request decoding parameters, with vLLM's names and defaults."""
 
     temperature: float = 1.0
-    """Softmax temperature; 0 means greedy (argmax)."""
+    """Softmax temperature; 0 (or anything below MIN_TEMPERATURE) means greedy (argmax)."""
     top_k: int = 0
     """Keep only the k most likely tokens; 0 or -1 keeps all."""
     top_p: float = 1.0
-    """Keep the smallest set of most likely tokens whose probability reaches top_p; 1 keeps all."""
+    """Keep the smallest set of most likely tokens whose probability reaches top_p (the most likely token is always
+    kept, however small top_p); 1 keeps all."""
     max_tokens: int = 16
     """Most tokens to generate."""
     stop: list[str] | str | None = None
@@ -41,8 +49,9 @@ class SamplingParams:
             raise ConfigError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ConfigError(f"top_k must be a non-negative integer (0 or -1 = off), got {self.top_k!r}")
+        if not isinstance(self.top_k, int) or not -1 <= self.top_k <= MAX_TOP_K:
+            raise ConfigError(f"top_k must be a non-negative integer up to {MAX_TOP_K} (0 or -1 = off), "
+                              f"got {self.top_k!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
             raise ConfigError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
@@ -52,19 +61,19 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < MIN_TEMPERATURE
 
 
 def processed_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                     top_p: torch.Tensor) -> torch.Tensor:
     """Probabilities after temperature, top-k and top-p, per row.
 
-    logits [N, V]; temperature, top_k, top_p [N] (temperature 0 = one-hot argmax; top_k <= 0 = off).
-    Returns [N, V] float32 rows that sum to 1.
+    logits [N, V]; temperature, top_k, top_p [N] (temperature below MIN_TEMPERATURE = one-hot argmax; top_k <= 0 =
+    off). Returns [N, V] float32 rows that sum to 1.
     """
     logits = logits.float()
     N, V = logits.shape
-    greedy = temperature <= 0
+    greedy = temperature < MIN_TEMPERATURE
     scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
     sorted_logits, order = scaled.sort(dim=-1, descending=True)  # [N, V]
     rank = torch.arange(V, device=logits.device)
@@ -72,9 +81,11 @@ def processed_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
     drop = rank[None, :] >= k[:, None]
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     sorted_probs = sorted_logits.softmax(-1)
-    # Keep a token while the mass before it is below top_p: the most likely token is always kept.
+    # Keep a token while the mass before it is below top_p; the most likely token is always kept (a top_p that
+    # rounds to 0 in float32 would otherwise drop every token).
     mass_before = sorted_probs.cumsum(-1) - sorted_probs
     drop = mass_before >= top_p[:, None]
+    drop[:, 0] = False
     sorted_probs = sorted_probs.masked_fill(drop, 0.0)
     sorted_probs = sorted_probs / sorted_probs.sum(-1, keepdim=True)
     probs = torch.zeros_like(sorted_probs).scatter_(-1, order, sorted_probs)
@@ -107,3 +118,78 @@ def sample_rows(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 def sample_from(probs: torch.Tensor, u: float) -> int:
     """One inverse-CDF draw from probs [V]."""
     return int(sample_rows(probs[None], torch.tensor([u]))[0])
+
+
+# -- each request's random numbers --------------------------------------------------------------------------------
+#
+# A request's uniforms are addressed, not drawn from a stream: the one that decides something about output position
+# j is a hash of (the request's key, j, what it decides, which one), so what a request gets never depends on how
+# many numbers other requests in its batch needed, or on how many drafts an earlier step verified. The hash is
+# splitmix64's output function, evaluated at a distinct counter per number.
+
+DRAW, ACCEPT, DRAFT, SEQUENTIAL = 0, 1, 2, 3
+"""Streams: the token drawn at a position; accepting the i-th draft tried there; a proposer's i-th draft there;
+a plain sequence of numbers for proposers that want one."""
+_GAMMA = 0x9E3779B97F4A7C15
+_MASK = (1 << 64) - 1
+
+
+def _mix64(z: int) -> int:
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return z ^ (z >> 31)
+
+
+def _mix64_array(z: np.ndarray) -> np.ndarray:
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def _counter(position: int, stream: int, index: int) -> int:
+    return (position << 24) | (stream << 20) | index  # index < 2**20, stream < 16
+
+
+class RequestRandom:
+    """The random numbers of one request, keyed by its seed (same seed, same numbers)."""
+
+    def __init__(self, seed: int):
+        self.key = _mix64((seed + _GAMMA) & _MASK)
+        self._sequential = 0
+
+    def uniform(self, position: int, stream: int, index: int = 0) -> float:
+        """The uniform in [0, 1) for decision `index` of kind `stream` about output position `position`."""
+        z = _mix64((self.key + _GAMMA * (_counter(position, stream, index) + 1)) & _MASK)
+        return (z >> 11) * 2.0 ** -53
+
+    def next(self, n: int) -> list[float]:
+        """n numbers of a plain sequence (each call continues where the last one stopped)."""
+        start, self._sequential = self._sequential, self._sequential + n
+        return [self.uniform(i >> 20, SEQUENTIAL, i & 0xFFFFF) for i in range(start, start + n)]
+
+
+def position_uniforms(keys: list[int], starts: list[int], width: int, stream: int) -> torch.Tensor:
+    """[R, width] float64: row r, column d holds RequestRandom(key r).uniform(starts[r] + d, stream), for many rows at
+    once."""
+    key = np.array(keys, dtype=np.uint64)[:, None]  # [R, 1]
+    positions = np.array(starts, dtype=np.uint64)[:, None] + np.arange(width, dtype=np.uint64)[None, :]  # [R, W]
+    counters = (positions << np.uint64(24)) | np.uint64(stream << 20)
+    z = _mix64_array(key + np.uint64(_GAMMA) * (counters + np.uint64(1)))
+    return torch.from_numpy((z >> np.uint64(11)).astype(np.float64) * 2.0 ** -53)
+
+
+class StepUniforms:
+    """The uniforms of one speculative step of one request, whose first new token is output position `start`:
+    what the verifier draws at tree depth d concerns position start + d."""
+
+    def __init__(self, random: RequestRandom, start: int):
+        self.random = random
+        self.start = start
+
+    def accept(self, depth: int, child: int) -> float:
+        """For accepting the `child`-th draft tried at `depth`."""
+        return self.random.uniform(self.start + depth, ACCEPT, child)
+
+    def draw(self, depth: int) -> float:
+        """For the token drawn at `depth` (a correction or the bonus)."""
+        return self.random.uniform(self.start + depth, DRAW)

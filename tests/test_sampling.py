@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from specdecode.sampling import SamplingParams, params_tensors, processed_probs
+from specdecode.sampling import SamplingParams, params_tensors, processed_probs, sample_rows
 
 V = 7
 
@@ -67,6 +67,21 @@ def test_greedy_is_one_hot_argmax_whatever_top_k_top_p():
         probs = run(LOGITS, [(0.0, k, p)] * len(LOGITS))
         expected = torch.nn.functional.one_hot(LOGITS.argmax(-1), V).float()
         assert torch.equal(probs, expected)
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1e-40, 0, 1.0), (1e-6, 0, 1.0), (1.0, 0, 1e-300),
+                                                      (0.5, 3, 1e-45), (1e-40, 0, 1e-300)])
+def test_tiny_temperature_and_top_p_keep_the_most_likely_token(temperature, top_k, top_p):
+    """Below MIN_TEMPERATURE sampling is greedy; a top_p that rounds to 0 keeps the most likely token. Both used to
+    give NaN rows, from which the inverse-CDF draw always returned the last token of the vocabulary."""
+    probs = run(LOGITS, [(temperature, top_k, top_p)] * len(LOGITS))
+    assert torch.equal(probs, torch.nn.functional.one_hot(LOGITS.argmax(-1), V).float())
+    assert sample_rows(probs, torch.full((len(LOGITS),), 0.999)).tolist() == LOGITS.argmax(-1).tolist()
+
+
+def test_huge_temperature_is_uniform_not_nan():
+    probs = run(LOGITS, [(1e300, 0, 1.0)] * len(LOGITS))
+    assert torch.allclose(probs, torch.full_like(probs, 1 / V))
 
 
 def test_rows_are_distributions_at_vocabulary_scale():

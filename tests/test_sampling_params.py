@@ -14,7 +14,8 @@ from specdecode.sampling import SamplingParams
     ({"top_p": -0.1}, r"top_p must be in \(0, 1\]"),
     ({"temperature": -0.5}, r"temperature must be >= 0 \(0 = greedy\), got -0\.5"),
     ({"temperature": "hot"}, r"temperature must be >= 0"),
-    ({"top_k": -2}, r"top_k must be a non-negative integer \(0 or -1 = off\), got -2"),
+    ({"top_k": -2}, r"top_k must be a non-negative integer up to 2147483647 \(0 or -1 = off\), got -2"),
+    ({"top_k": 2**63}, r"top_k must be a non-negative integer up to 2147483647"),  # overflowed in the engine
     ({"stop": ["ok", ""]}, r"stop must be a non-empty string"),
     ({"seed": "7"}, r"seed must be an integer"),
 ])
@@ -36,3 +37,5 @@ def test_defaults_and_normalisation():
     assert params.stop == ["\n\n"]
     assert SamplingParams().stop == []
     assert SamplingParams(temperature=0).greedy and not SamplingParams().greedy
+    assert SamplingParams(temperature=1e-40).greedy  # below MIN_TEMPERATURE: argmax, not NaN
+    assert not SamplingParams(temperature=1e-4).greedy

@@ -1,4 +1,4 @@
-"""A request in flight (its tokens, cache slot, random generator, statistics) and the outputs users receive."""
+"""A request in flight (its tokens, cache slot, random numbers, statistics) and the outputs users receive."""
 from __future__ import annotations
 
 import dataclasses
@@ -6,7 +6,7 @@ import dataclasses
 import torch
 
 from specdecode.model.tokenizer import IncrementalDetokenizer, Tokenizer
-from specdecode.sampling import SamplingParams
+from specdecode.sampling import DRAFT, RequestRandom, SamplingParams, StepUniforms
 
 
 @dataclasses.dataclass
@@ -97,8 +97,7 @@ class Sequence:
         self.token_ids = list(prompt_ids)
         self.num_prompt = len(prompt_ids)
         self.slot = -1
-        self.generator = torch.Generator().manual_seed(
-            params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
+        self.random = RequestRandom(params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,))))
         self.stats = SpecStats()
         self.eos_ids = set() if params.ignore_eos else set(eos_ids)
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids)
@@ -118,7 +117,17 @@ class Sequence:
         return self.finish_reason is not None
 
     def uniforms(self, n: int) -> list[float]:
-        return torch.rand(n, generator=self.generator, dtype=torch.float64).tolist()
+        """n uniforms of a plain sequence, for proposers whose draws are not tied to output positions."""
+        return self.random.next(n)
+
+    def step_uniforms(self) -> StepUniforms:
+        """The verifier's uniforms for the next step (its first new token is output position num_generated)."""
+        return StepUniforms(self.random, self.num_generated)
+
+    def draft_uniforms(self, depth: int, count: int) -> list[float]:
+        """Uniforms for drawing `count` drafts at tree depth `depth` of the next step: tied to the output position
+        they guess, so a request's drafts do not depend on how deep other requests in its batch draft."""
+        return [self.random.uniform(self.num_generated + depth, DRAFT, i) for i in range(count)]
 
     def append(self, new_ids: list[int], max_len: int) -> str:
         """Add generated tokens, apply EOS / max_tokens / stop strings / context limit; returns the new text."""

@@ -13,7 +13,7 @@ import torch
 
 from specdecode.engine.sequence import Sequence
 from specdecode.model.llama import LlamaForCausalLM
-from specdecode.sampling import params_tensors, processed_probs, sample_rows
+from specdecode.sampling import ACCEPT, DRAW, params_tensors, position_uniforms, processed_probs, sample_rows
 from specdecode.spec.proposers.base import NO_FEATURES, Proposer, TargetFeatures
 from specdecode.spec.tree import DraftTree, tree_shape
 from specdecode.spec.verify import VerifyResult, verify_chains, verify_greedy, verify_sampling
@@ -118,8 +118,8 @@ class StepRunner:
         if all(s.params.greedy for s in seqs):
             return logits.argmax(-1).tolist()
         probs = processed_probs(logits, *params_tensors([s.params for s in seqs], device=logits.device))
-        u = torch.tensor([s.uniforms(1)[0] for s in seqs], device=logits.device)
-        return sample_rows(probs, u).tolist()
+        u = position_uniforms([s.random.key for s in seqs], [s.num_generated for s in seqs], 1, DRAW)  # [B, 1]
+        return sample_rows(probs, u[:, 0].to(logits.device)).tolist()
 
     def _append(self, seq: Sequence, tokens: list[int]) -> str:
         before = seq.num_generated
@@ -199,7 +199,7 @@ class StepRunner:
             for row, b in enumerate(sampled):
                 if results[b] is None:  # a branching tree: walk it node by node
                     n = len(trees[b])
-                    results[b] = verify_sampling(trees[b], p[row, :n + 1].cpu(), seqs[b].uniforms(n + 2))
+                    results[b] = verify_sampling(trees[b], p[row, :n + 1].cpu(), seqs[b].step_uniforms())
         return results
 
     @staticmethod
@@ -221,8 +221,11 @@ class StepRunner:
                     q[i, :len(t)] = t.draft_probs.to(p.device)
                 else:
                     q[i, :len(t)].scatter_(1, t.tokens[:, None].to(p.device), 1.0)
-        u = torch.tensor([seqs[b].uniforms(K + 1) for b in rows], dtype=torch.float64).view(len(rows), K + 1)
-        n_matches, next_token = verify_chains(p, q, tokens.to(p.device), lengths.to(p.device),
-                                              u[:, :K].to(p.device), u[:, K].to(p.device))
+        # Each row's uniforms belong to its own output positions: the batch's widest chain changes nothing.
+        keys, starts = [seqs[b].random.key for b in rows], [seqs[b].num_generated for b in rows]
+        u_accept = position_uniforms(keys, starts, K, ACCEPT)  # [R, K]
+        u_draw = position_uniforms(keys, starts, K + 1, DRAW)  # [R, K + 1]
+        n_matches, next_token = verify_chains(p, q, tokens.to(p.device), lengths.to(p.device), u_accept.to(p.device),
+                                              u_draw.to(p.device))
         for b, n, x in zip(rows, n_matches.tolist(), next_token.tolist()):
             results[b] = VerifyResult(list(range(n)), x)

@@ -14,7 +14,7 @@ import dataclasses
 
 import torch
 
-from specdecode.sampling import sample_from, sample_rows
+from specdecode.sampling import StepUniforms, sample_from, sample_rows
 from specdecode.spec.tree import DraftTree
 
 
@@ -41,22 +41,23 @@ def verify_greedy(tree: DraftTree, target_argmax: list[int]) -> VerifyResult:
         node = match
 
 
-def verify_sampling(tree: DraftTree, p_all: torch.Tensor, uniforms: list[float]) -> VerifyResult:
-    """p_all [n + 1, V]: target probabilities at the root and at every node. uniforms: one per decision
-    (at most 2 * (n + 1) are used), drawn from the request's generator."""
+def verify_sampling(tree: DraftTree, p_all: torch.Tensor, uniforms: StepUniforms) -> VerifyResult:
+    """p_all [n + 1, V]: target probabilities at the root and at every node. uniforms: the request's numbers for
+    this step; the i-th child tried at depth d uses uniforms.accept(d, i), the token drawn at depth d
+    uniforms.draw(d), so the decisions about an output position never depend on the rest of the batch."""
     children = tree.shape.children
     tokens = tree.tokens.tolist()
     q_all = None if tree.draft_probs is None else tree.draft_probs.to(p_all.device)
-    draws = iter(uniforms)
     accepted: list[int] = []
     node = -1
     while True:
         p = p_all[node + 1]
-        for child in children[node + 1]:
+        depth = len(accepted)
+        for tried, child in enumerate(children[node + 1]):
             x = tokens[child]
             q_x = 1.0 if q_all is None else float(q_all[child, x])
             # u < p(x) / q(x)  <=>  accept with probability min(1, p(x) / q(x)).
-            if next(draws) * q_x < float(p[x]):
+            if uniforms.accept(depth, tried) * q_x < float(p[x]):
                 accepted.append(child)
                 node = child
                 break
@@ -71,16 +72,19 @@ def verify_sampling(tree: DraftTree, p_all: torch.Tensor, uniforms: list[float])
                 total = float(residual.sum())
             p = residual / total
         else:
-            return VerifyResult(accepted, sample_from(p, next(draws)))
+            return VerifyResult(accepted, sample_from(p, uniforms.draw(depth)))
 
 
 def verify_chains(p: torch.Tensor, q: torch.Tensor | None, tokens: torch.Tensor, lengths: torch.Tensor,
-                  u_accept: torch.Tensor, u_next: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Leviathan/Chen rule for a batch of chains at once (the same decisions as verify_sampling on a chain).
+                  u_accept: torch.Tensor, u_draw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Leviathan/Chen rule for a batch of chains at once (the same decisions as verify_sampling on a chain,
+    given the same uniforms).
 
     p [B, K+1, V]: target probabilities at the root and after each draft token; q [B, K, V]: the draft's, or None
     for one-hot drafts; tokens [B, K]; lengths [B]: each row's real chain length (<= K, the rest is padding);
-    u_accept [B, K], u_next [B]: uniforms. Returns n_matches [B] (accepted draft tokens) and next_token [B].
+    u_accept [B, K]: the uniform accepting draft d; u_draw [B, K+1]: the uniform drawing the token at depth d (only
+    the one at the first rejection, or the bonus at depth lengths, is used). Returns n_matches [B] (accepted draft
+    tokens) and next_token [B].
     """
     B, K = tokens.shape
     rows = torch.arange(B, device=p.device)
@@ -101,4 +105,4 @@ def verify_chains(p: torch.Tensor, q: torch.Tensor | None, tokens: torch.Tensor,
     # A residual with no mass only arises when p == q up to rounding, where rejection had probability zero.
     use_residual = rejected & (residual.sum(-1) > 0)
     dist = torch.where(use_residual[:, None], residual, p_next)
-    return n_matches, sample_rows(dist, u_next)
+    return n_matches, sample_rows(dist, u_draw[rows, n_matches])

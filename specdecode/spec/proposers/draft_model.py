@@ -77,8 +77,9 @@ class DraftModelProposer:
         self.draft_len.pop(seq.request_id, None)
         self.pending.pop(seq.request_id, None)
 
-    def _pick(self, logits: torch.Tensor, seqs, greedy: bool, width: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Draw `width` tokens per row from logits [B, V] (or one per chain from [B, width, V]).
+    def _pick(self, logits: torch.Tensor, seqs, greedy: bool, width: int,
+              depth: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draw `width` tokens per row from logits [B, V] (or one per chain from [B, width, V]) at tree `depth`.
         Returns tokens [B, width] and, for sampled batches, the processed q they came from [B, width, V]."""
         B, V = logits.shape[0], logits.shape[-1]
         if greedy:
@@ -91,7 +92,8 @@ class DraftModelProposer:
                                                    device=logits.device)
         q = processed_probs(rows, temperature, top_k, top_p).view(B, -1, V)  # [B, 1 or width, V]
         q = q.expand(B, width, V)  # at the root, every chain draws independently from the same q
-        u = torch.tensor([s.uniforms(width) for s in seqs], dtype=torch.float64, device=logits.device)  # [B, w]
+        u = torch.tensor([s.draft_uniforms(depth, width) for s in seqs], dtype=torch.float64,
+                         device=logits.device)  # [B, w]
         return sample_rows(q.reshape(-1, V), u.view(-1)).view(B, width), q
 
     @torch.no_grad()
@@ -120,7 +122,7 @@ class DraftModelProposer:
         tail_ids = torch.tensor([t + [0] * (padded_tail - len(t)) for t in tails], device=device)  # [B, Tt]
         out = self.model(tail_ids, cache=self.cache, slots=slots)
         root_logits = out.logits[torch.arange(B, device=device), (tail_lens - 1).to(device)]  # [B, V]
-        tokens, q = self._pick(root_logits, seqs, greedy, width)  # [B, w], [B, w, V]
+        tokens, q = self._pick(root_logits, seqs, greedy, width, 0)  # [B, w], [B, w, V]
         level_tokens, level_q = [tokens], [q]
         # Level d nodes sit at position length + tail_len + d - 1; each chain sees the real tail and its own nodes.
         base_pos = (self.cache.lengths[slots] + tail_lens).to(device)  # [B]
@@ -132,7 +134,7 @@ class DraftModelProposer:
             positions = (base_pos + depth - 1)[:, None].expand(B, width)
             out = self.model(level_tokens[-1], positions=positions, cache=self.cache, slots=slots,
                              tree_mask=mask, pending=padded_tail + width * (depth - 1))
-            tokens, q = self._pick(out.logits, seqs, greedy, width)
+            tokens, q = self._pick(out.logits, seqs, greedy, width, depth)
             level_tokens.append(tokens)
             level_q.append(q)
         all_tokens = torch.stack(level_tokens, dim=2).cpu()  # [B, w, K]
