@@ -1,6 +1,10 @@
 """The server's engine: one background thread steps the scheduler; asyncio handlers add requests and read each
 request's new text from a queue of its own. Requests beyond the cache slots wait in the scheduler's queue, and
 beyond `max_waiting` waiting requests new ones are refused rather than queued without bound.
+
+A request that makes a step fail fails alone (the scheduler retries the batch one sequence at a time); its client
+gets a generic message and the details go to the log. If the thread itself dies, every request it held fails and
+`health()` says so, as it does when one step has run for longer than `stall_timeout`.
 """
 from __future__ import annotations
 
@@ -9,16 +13,21 @@ import dataclasses
 import logging
 import threading
 import time
-import traceback
 import uuid
+from collections.abc import Callable
 
 from specdecode.engine.llm import LLM
 from specdecode.engine.metrics import EngineMetrics
 from specdecode.engine.scheduler import Scheduler, SchedulerOutput
 from specdecode.engine.sequence import Sequence
-from specdecode.sampling import SamplingParams
+from specdecode.errors import ConfigError
+from specdecode.sampling import SamplingParams, params_tensors
 
 log = logging.getLogger("specdecode.engine")
+
+STALL_TIMEOUT = 300.0
+"""Seconds one engine iteration may take before health() reports the engine stalled (a prefill of many long
+prompts on a CPU can take minutes)."""
 
 
 class EngineOverloaded(Exception):
@@ -34,7 +43,7 @@ class RequestAborted(Exception):
 
 
 class RequestFailed(Exception):
-    """The step that carried this request raised; the message says why."""
+    """The engine could not generate this request; the message is safe to show to its client."""
 
 
 @dataclasses.dataclass
@@ -74,7 +83,10 @@ class RequestStream:
     async def __anext__(self) -> StreamDelta:
         if self.done:
             raise StopAsyncIteration
-        item = await self.queue.get()
+        item = None if self.aborted else await self.queue.get()
+        if self.aborted:  # whatever was still queued is dropped: after abort() the reader sees RequestAborted
+            self.done = True
+            raise RequestAborted(self.request_id)
         if isinstance(item, BaseException):
             self.done = True
             raise item
@@ -83,49 +95,76 @@ class RequestStream:
         return item
 
     def abort(self) -> None:
-        """Stop generating; a reader still waiting on this stream gets RequestAborted."""
+        """Stop generating; the reader's next (or pending) read raises RequestAborted."""
         if not self.done and not self.aborted:
             self.aborted = True
             self.engine.abort(self.request_id)
-            self.queue.put_nowait(RequestAborted(self.request_id))
+            self.queue.put_nowait(RequestAborted(self.request_id))  # wakes a reader blocked on the queue
 
 
 class AsyncEngine:
-    def __init__(self, llm: LLM, max_waiting: int = 256):
+    def __init__(self, llm: LLM, max_waiting: int = 256, stall_timeout: float = STALL_TIMEOUT,
+                 clock: Callable[[], float] = time.monotonic):
+        """clock: seconds for the stall check (tests pass a fake one)."""
         self.llm = llm
         self.max_waiting = max_waiting
+        self.stall_timeout = stall_timeout
+        self._clock = clock
         tree = llm.spec_config.tree_size if llm.proposer is not None else 0
         llm.runner.ensure_capacity(llm.max_num_seqs, llm.max_model_len, tree)
         if llm.proposer is not None and llm.controller is None:
             # Fixed K: the cost model still runs, for the realised-speedup gauge.
             llm.controller = llm.make_controller()
             llm.controller.fixed_k = llm.spec_config.num_speculative_tokens
-        self.scheduler = Scheduler(llm, llm.max_num_seqs)
+        self.scheduler = Scheduler(llm, llm.max_num_seqs, isolate_failures=True)
         self.metrics = EngineMetrics(max_positions=max(tree, 1))
         self._cond = threading.Condition()
         self._incoming: list[RequestStream] = []
         self._aborts: list[str] = []
         self._in_system = 0  # requests added and not yet finished or dropped (guarded by _cond)
+        self._accepting = False  # (guarded by _cond) the thread runs and will see what is added
         self._requests: dict[str, RequestStream] = {}  # engine thread only
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self._busy_since: float | None = None  # when the current iteration started (None between iterations)
+        self._problem: str | None = None  # set by the engine thread: why it cannot make progress
+        self._death: BaseException | None = None
+        self.iterations = 0  # (guarded by _cond) loop iterations finished, for tests that synchronise with them
 
     # -- lifecycle ------------------------------------------------------------------------------------------
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="specdecode-engine", daemon=True)
+        with self._cond:
+            self._accepting = True
+        self._thread = threading.Thread(target=self._run, name="specdecode-engine", daemon=True)
         self._thread.start()
 
     def shutdown(self) -> None:
         with self._cond:
             self._stopping = True
-            self._cond.notify()
+            self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=30)
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stopping
+        return (self._thread is not None and self._thread.is_alive() and self._accepting and not self._stopping)
+
+    def health(self) -> str | None:
+        """None when the engine can serve, else why it cannot (dead, stalled in a step, or slots leaked)."""
+        if not self.alive:
+            cause = f" ({type(self._death).__name__})" if self._death is not None else ""
+            return f"the engine is not running{cause}"
+        busy = self._busy_since
+        if busy is not None and self._clock() - busy > self.stall_timeout:
+            return (f"the engine has been inside one iteration for {self._clock() - busy:.0f} s "
+                    f"(more than {self.stall_timeout:g} s)")
+        return self._problem
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until no request is held (True), or until timeout seconds passed (False)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._in_system == 0, timeout)
 
     @property
     def capacity(self) -> int:
@@ -139,55 +178,98 @@ class AsyncEngine:
         """Queue a request; raises ConfigError for a bad prompt, EngineOverloaded when full, EngineDead."""
         if not self.alive:
             raise EngineDead("the engine is not running")
+        self._check(prompt, params)
         seq = self.llm.make_sequence(prompt, params, request_id or uuid.uuid4().hex)
         stream = RequestStream(self, seq, asyncio.get_running_loop())
         with self._cond:
+            if not self._accepting:
+                raise EngineDead("the engine is not running")
             if self._in_system >= self.capacity:
                 raise EngineOverloaded(f"all {self.llm.max_num_seqs} slots are busy and {self.max_waiting} requests "
                                        "are already waiting; retry later")
             self._in_system += 1
             self._incoming.append(stream)
-            self._cond.notify()
+            self._cond.notify_all()
         return stream
+
+    def _check(self, prompt: str | list[int], params: SamplingParams) -> None:
+        """What the engine thread will do with this request's own data must not fail there."""
+        if not isinstance(prompt, str):
+            vocab = self.llm.target.config.vocab_size
+            if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt):
+                raise ConfigError(f"prompt token ids must be integers in [0, {vocab})")
+        try:
+            params_tensors([params])
+        except Exception as exc:  # e.g. "Overflow when unpacking long long"
+            raise ConfigError(f"the sampling parameters cannot be used: {exc}") from None
 
     def abort(self, request_id: str) -> None:
         with self._cond:
             self._aborts.append(request_id)
-            self._cond.notify()
+            self._cond.notify_all()
 
     # -- the step loop (engine thread) ----------------------------------------------------------------------
 
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # a bug in the loop itself: every request it holds fails below
+            self._death = exc
+            log.exception("the engine thread died")
+        finally:
+            self._drain()
+
     def _loop(self) -> None:
+        scheduler = self.scheduler
         while True:
             with self._cond:
-                while not (self._incoming or self._aborts or self.scheduler.has_work or self._stopping):
+                while not (self._incoming or self._aborts or scheduler.can_progress or self._stopping):
                     self._cond.wait()
                 if self._stopping:
-                    break
+                    return
                 incoming, self._incoming = self._incoming, []
                 aborts, self._aborts = self._aborts, []
             for stream in incoming:
                 self._requests[stream.request_id] = stream
-                self.scheduler.add(stream.seq)
+                scheduler.add(stream.seq)
             for request_id in aborts:
-                self.scheduler.abort(request_id)
+                scheduler.abort(request_id)
                 self._forget(request_id)
-            if self.scheduler.has_work:
-                try:
-                    self._publish(self.scheduler.step())
-                except Exception as exc:  # a bug, not bad input (that is refused before it gets here)
-                    log.error("engine step failed; failing its requests\n%s", traceback.format_exc())
-                    self._fail_all(exc)
-            self.metrics.running.set(len(self.scheduler.running))
-            self.metrics.waiting.set(len(self.scheduler.waiting))
-        for seq in self.scheduler.abort_all():
-            self._deliver_error(seq.request_id, EngineDead("the engine shut down"))
+            if scheduler.can_progress:
+                self._busy_since = self._clock()
+                self._publish(scheduler.step())
+                self._busy_since = None
+            problem = scheduler.slot_problem()
+            if problem is not None and problem != self._problem:
+                log.error("%s", problem)
+            self._problem = problem
+            self.metrics.running.set(len(scheduler.running))
+            self.metrics.waiting.set(len(scheduler.waiting))
+            with self._cond:
+                self.iterations += 1
+                self._cond.notify_all()
+
+    def _drain(self) -> None:
+        """The thread is ending: no request is taken any more, and every one held gets EngineDead."""
+        with self._cond:
+            self._accepting = False
+            incoming, self._incoming = self._incoming, []
+        for stream in incoming:
+            self._requests[stream.request_id] = stream
+        try:
+            self.scheduler.abort_all()
+        except Exception:
+            log.exception("releasing the engine's sequences failed")
+        reason = "the engine shut down" if self._death is None else "the engine stopped after an internal error"
+        for request_id in list(self._requests):
+            self._deliver_error(request_id, EngineDead(reason))
 
     def _forget(self, request_id: str) -> RequestStream | None:
         stream = self._requests.pop(request_id, None)
         if stream is not None:
             with self._cond:
                 self._in_system -= 1
+                self._cond.notify_all()
         return stream
 
     def _publish(self, out: SchedulerOutput) -> None:
@@ -228,6 +310,17 @@ class AsyncEngine:
                 metrics.e2e.observe(now - stream.arrival)
                 metrics.requests.labels(finished_reason=seq.finish_reason).inc()
         self._send(batch)
+        for seq, exc in out.failed:
+            self._fail(seq, exc)
+
+    def _fail(self, seq: Sequence, exc: Exception) -> None:
+        """One request failed inside the engine: log why, tell its client only that it failed."""
+        error_id = uuid.uuid4().hex[:12]
+        log.error("request %s failed (error %s)", seq.request_id, error_id,
+                  exc_info=(type(exc), exc, exc.__traceback__))
+        self.metrics.failed_requests.inc()
+        self._deliver_error(seq.request_id, RequestFailed(
+            f"generation failed because of an internal error in the engine (error id {error_id} in the server's log)"))
 
     def _send(self, batch: list[tuple[RequestStream, object]]) -> None:
         """Hand items to their event loops: one wake-up per loop per step, not one per request."""
@@ -244,10 +337,6 @@ class AsyncEngine:
         stream = self._forget(request_id)
         if stream is not None:
             self._send([(stream, exc)])
-
-    def _fail_all(self, exc: Exception) -> None:
-        for seq in self.scheduler.abort_all():
-            self._deliver_error(seq.request_id, RequestFailed(f"generation failed: {exc}"))
 
 
 def _put_all(items: list) -> None:

@@ -27,8 +27,8 @@ class EngineMetrics:
         self.num_accepted_tokens = Counter(PREFIX + "spec_decode_num_accepted_tokens", "Draft tokens accepted.",
                                            registry=r)
         self.num_emitted_tokens = Counter(PREFIX + "spec_decode_num_emitted_tokens",
-                                          "Tokens emitted by speculative steps (accepted + one per step).",
-                                          registry=r)
+                                          "Tokens the verifier emitted in steps that drafted: accepted + one per "
+                                          "step (before stop conditions cut any).", registry=r)
         self.accepted_per_pos = Counter(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
                                         "Draft tokens accepted at each draft position (0-based).", ["position"],
                                         registry=r)
@@ -37,6 +37,8 @@ class EngineMetrics:
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.", registry=r)
         self.requests = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
                                 ["finished_reason"], registry=r)
+        self.failed_requests = Counter(PREFIX + "request_failure", "Requests that failed inside the engine.",
+                                       registry=r)
         self.draft_time = Histogram(PREFIX + "spec_decode_draft_time_seconds", "Time proposing, per step.",
                                     buckets=_STEP_BUCKETS, registry=r)
         self.verify_time = Histogram(PREFIX + "spec_decode_verify_time_seconds",
@@ -67,14 +69,13 @@ class EngineMetrics:
         report = out.report
         self.draft_time.observe(report.draft_time)
         self.verify_time.observe(report.verify_time)
-        drafts = draft_tokens = accepted_tokens = spec_emitted = 0
-        for drafted, accepted, n in zip(report.draft_lens, report.accepted_lens, emitted):
+        drafts = draft_tokens = accepted_tokens = 0
+        for drafted, accepted in zip(report.draft_lens, report.accepted_lens):
             if not drafted:
                 continue
             drafts += 1
             draft_tokens += drafted
             accepted_tokens += accepted
-            spec_emitted += n
             self.accepted_per_step.observe(accepted)
             for pos in range(min(accepted, len(self._pos_children))):
                 self._pos_children[pos].inc()
@@ -82,7 +83,7 @@ class EngineMetrics:
             self.num_drafts.inc(drafts)
             self.num_draft_tokens.inc(draft_tokens)
             self.num_accepted_tokens.inc(accepted_tokens)
-            self.num_emitted_tokens.inc(spec_emitted)
+            self.num_emitted_tokens.inc(accepted_tokens + drafts)
         total = sum(emitted)
         self.generation_tokens.inc(total)
         if plain_step_time is not None and out.stepped:

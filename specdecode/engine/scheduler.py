@@ -2,6 +2,10 @@
 
 Both the offline `LLM.generate` loop and the server's background engine drive this one scheduler; an iteration
 either prefills the sequences that just got a slot or runs one speculative step for every running sequence.
+
+When a prefill or a step raises, every slot it took is released. The server's scheduler (isolate_failures) then
+finds the request at fault instead of failing the whole batch: if the step failed before it changed anything, its
+sequences are retried one at a time and only one that fails alone is dropped.
 """
 from __future__ import annotations
 
@@ -33,18 +37,40 @@ class SchedulerOutput:
     """The step's report (None on a prefill iteration)."""
     wall_time: float
     """Seconds the iteration took."""
+    failed: list[tuple[Sequence, Exception]] = dataclasses.field(default_factory=list)
+    """Sequences dropped because the iteration raised on them (their slots are free again), with the error."""
 
 
 class Scheduler:
-    def __init__(self, llm: "LLM", num_slots: int):
+    def __init__(self, llm: "LLM", num_slots: int, isolate_failures: bool = False):
+        """isolate_failures: a prefill or step that raises drops only the sequences at fault (they are reported in
+        SchedulerOutput.failed); without it the error propagates, after the slots it took are released."""
         self.llm = llm
+        self.num_slots = num_slots
+        self.isolate_failures = isolate_failures
         self.free = list(range(num_slots))[::-1]
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
+        self.suspects: collections.deque[Sequence] = collections.deque()  # to step alone: their batch failed
+        self.prefill_alone = 0  # the next this many sequences join one at a time: their batch's prefill failed
 
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    @property
+    def can_progress(self) -> bool:
+        """Whether step() would do anything (work waiting for a slot when none is free and nothing runs is a
+        leak, reported by slot_problem, not a reason to spin)."""
+        return bool(self.running or (self.waiting and self.free))
+
+    def slot_problem(self) -> str | None:
+        """None while every slot is either free or held by a running sequence."""
+        held = len(self.free) + len(self.running)
+        if held != self.num_slots or len(set(self.free)) != len(self.free):
+            return (f"cache slots leaked: {len(self.free)} free and {len(self.running)} running of "
+                    f"{self.num_slots}")
+        return None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -70,37 +96,80 @@ class Scheduler:
 
     def _release(self, seq: Sequence) -> None:
         llm = self.llm
-        self.running.remove(seq)
-        self.free.append(seq.slot)
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq.slot >= 0:
+            self.free.append(seq.slot)
+            seq.slot = -1
         llm.runner.release(seq)
         if llm.controller is not None:
             llm.controller.forget(seq.request_id)
         llm.total_stats.merge(seq.stats)
 
-    def step(self) -> SchedulerOutput:
-        llm = self.llm
-        start = time.perf_counter()
+    def _take_joining(self) -> list[Sequence]:
         joining = []
-        while self.waiting and self.free:
+        while self.waiting and self.free and not (self.prefill_alone and joining):
             seq = self.waiting.popleft()
             seq.slot = self.free.pop()
             joining.append(seq)
+        self.prefill_alone = max(0, self.prefill_alone - len(joining))
+        return joining
+
+    def _take_active(self) -> list[Sequence]:
+        while self.suspects:
+            seq = self.suspects.popleft()
+            if seq in self.running and not seq.finished:
+                return [seq]
+        return [s for s in self.running if not s.finished]
+
+    def _failed(self, seqs: list[Sequence], exc: Exception, prefill: bool) -> list[tuple[Sequence, Exception]]:
+        """After a prefill or step over seqs raised: free their slots, or (isolating) queue them to be retried
+        alone when the runner changed nothing. Returns the sequences dropped."""
+        if not self.isolate_failures or len(seqs) == 1 or self.llm.runner.mutated:
+            for seq in seqs:
+                self._release(seq)
+            if not self.isolate_failures:
+                raise exc
+            return [(seq, exc) for seq in seqs]
+        if prefill:  # give the slots back and prefill them again, one at a time
+            for seq in reversed(seqs):
+                self.free.append(seq.slot)
+                seq.slot = -1
+                self.waiting.appendleft(seq)
+            self.prefill_alone = len(seqs)
+        else:
+            self.suspects.extend(seqs)
+        return []
+
+    def step(self) -> SchedulerOutput:
+        llm = self.llm
+        start = time.perf_counter()
+        joining = self._take_joining()
         deltas: dict[str, str] = {}
         active: list[Sequence] = []
+        failed: list[tuple[Sequence, Exception]] = []
         report = None
         if joining:
-            deltas.update(zip((s.request_id for s in joining), llm.runner.prefill(joining)))
-            self.running += joining
+            try:
+                deltas.update(zip((s.request_id for s in joining), llm.runner.prefill(joining)))
+                self.running += joining
+            except Exception as exc:
+                failed = self._failed(joining, exc, prefill=True)
+                joining = []
         else:
-            active = [s for s in self.running if not s.finished]
+            active = self._take_active()
             if active:
-                budgets = llm.budgets(active)
-                deltas.update(zip((s.request_id for s in active), llm.runner.step(active, budgets)))
-                report = llm.runner.last_report
-                if llm.controller is not None:
-                    wall = time.perf_counter() - start - report.join_time
-                    llm.controller.observe(active, max(budgets), report, wall)
+                try:
+                    budgets = llm.budgets(active)
+                    deltas.update(zip((s.request_id for s in active), llm.runner.step(active, budgets)))
+                    report = llm.runner.last_report
+                    if llm.controller is not None:
+                        wall = time.perf_counter() - start - report.join_time
+                        llm.controller.observe(active, max(budgets), report, wall)
+                except Exception as exc:
+                    failed = self._failed(active, exc, prefill=False)
+                    active, report = [], None
         finished = [s for s in self.running if s.finished]
         for seq in finished:
             self._release(seq)
-        return SchedulerOutput(deltas, joining, active, finished, report, time.perf_counter() - start)
+        return SchedulerOutput(deltas, joining, active, finished, report, time.perf_counter() - start, failed)

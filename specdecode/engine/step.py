@@ -59,6 +59,9 @@ class StepRunner:
         self.cache = None
         self.max_len = 0
         self.last_report: StepReport | None = None
+        self.mutated = False
+        """Whether the last prefill or step got as far as changing the cache or the sequences (if it raised before
+        that, running it again is safe)."""
         self.joined: set[str] = set()  # requests the proposer holds
         # Target hidden states the proposer reads (EAGLE, Medusa), taken from the passes that verify.
         self.features = proposer.feature_request if proposer is not None else NO_FEATURES
@@ -75,6 +78,7 @@ class StepRunner:
     @torch.inference_mode()  # no_grad and also no version counters: less work per operation
     def prefill(self, seqs: list[Sequence]) -> list[str]:
         """Run the prompts and draw each sequence's first token."""
+        self.mutated = False
         device = self.target.device
         start = time.perf_counter()
         slots = torch.tensor([s.slot for s in seqs])
@@ -89,6 +93,7 @@ class StepRunner:
         self.cache.advance(slots, torch.tensor(lens))
         first = self._sample_roots(seqs, logits)
         elapsed = time.perf_counter() - start
+        self.mutated = True  # from here on the sequences change
         deltas = []
         for seq, token in zip(seqs, first):
             seq.stats.verify_time += elapsed
@@ -130,6 +135,7 @@ class StepRunner:
     @torch.inference_mode()
     def step(self, seqs: list[Sequence], budgets: list[int]) -> list[str]:
         """One speculative step for every sequence; returns the new text of each."""
+        self.mutated = False
         device = self.target.device
         join_time = 0.0
         if self.proposer is not None and any(budgets):
@@ -162,6 +168,7 @@ class StepRunner:
         kept = torch.tensor([[0] + [c + 1 for c in r.accepted] + [0] * (A - 1 - len(r.accepted))
                              for r in results])  # [B, A]
         n_kept = [1 + len(r.accepted) for r in results]
+        self.mutated = True  # from here on the caches and the sequences change
         self.cache.commit(slots, kept, torch.tensor(n_kept))
         t2 = time.perf_counter()
 

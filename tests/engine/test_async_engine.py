@@ -1,14 +1,20 @@
-"""The background engine: concurrent requests, abort, back-pressure and surviving a failed step."""
+"""The background engine: concurrent requests, abort, back-pressure, a request that breaks a step failing alone,
+and health reports of a dead, stalled or leaking engine. Nothing here waits on wall-clock time: the tests hold the
+engine with events and its own lock."""
 import asyncio
+import threading
 
 import pytest
 
-from specdecode.engine.async_engine import AsyncEngine, EngineOverloaded, RequestAborted, RequestFailed
+import specdecode.engine.step as step_module
+from specdecode.engine.async_engine import (AsyncEngine, EngineDead, EngineOverloaded, RequestAborted,
+                                            RequestFailed)
 from specdecode.engine.llm import LLM
 from specdecode.errors import ConfigError
 from specdecode.sampling import SamplingParams
 
 PROMPTS = ["def add(a, b):", "class Point:", "for i in range(10):", "import os", "print(", "self.x ="]
+WAIT = 60  # seconds before a test gives up waiting on the engine (it only matters when something is broken)
 
 
 @pytest.fixture(scope="module")
@@ -28,12 +34,15 @@ def engine(llm_factory):
 
 
 async def collect(stream):
-    text, ids, last = "", [], None
-    async for delta in stream:
-        text += delta.text
-        ids += delta.token_ids
-        last = delta
-    return text, ids, last
+    """Text, ids and last delta of a request (a request that never answers fails the test instead of hanging)."""
+    async def read():
+        text, ids, last = "", [], None
+        async for delta in stream:
+            text += delta.text
+            ids += delta.token_ids
+            last = delta
+        return text, ids, last
+    return await asyncio.wait_for(read(), WAIT)
 
 
 def test_concurrent_requests_match_offline_generate(engine, llm_factory):
@@ -56,16 +65,12 @@ def test_abort_frees_the_slot(engine):
         stream = engine.add_request("import os", SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
         await stream.__anext__()
         stream.abort()
-        with pytest.raises(RequestAborted):
+        with pytest.raises(RequestAborted):  # at once, even with more deltas already queued
             await stream.__anext__()
-        for _ in range(500):
-            if not engine.scheduler.running and engine._in_system == 0:
-                return True
-            await asyncio.sleep(0.01)
-        return False
 
-    assert asyncio.run(main())
-    assert len(engine.scheduler.free) == engine.llm.max_num_seqs
+    asyncio.run(main())
+    assert engine.wait_idle(WAIT)
+    assert len(engine.scheduler.free) == engine.llm.max_num_seqs and not engine.scheduler.running
 
 
 def test_requests_beyond_capacity_are_refused(llm_factory):
@@ -84,29 +89,156 @@ def test_requests_beyond_capacity_are_refused(llm_factory):
         engine.shutdown()
 
 
-def test_bad_prompt_is_a_config_error(engine):
+def test_bad_requests_are_refused_before_the_engine_sees_them(engine):
     async def main():
         with pytest.raises(ConfigError):
             engine.add_request([], SamplingParams())
+        with pytest.raises(ConfigError, match="token ids"):
+            engine.add_request([5, 10 ** 6], SamplingParams())
+        overflowing = SamplingParams(temperature=1.0)
+        overflowing.top_k = 2 ** 63  # past validation: used to fail every request in the step that carried it
+        with pytest.raises(ConfigError, match="sampling parameters"):
+            engine.add_request("import os", overflowing)
     asyncio.run(main())
+    assert engine.health() is None
 
 
-def test_a_failed_step_fails_its_requests_but_not_the_engine(engine, monkeypatch):
-    real_step = engine.llm.runner.step
+POISON = 666  # the seed of a request that breaks any step it is in
+
+
+def poisoned(calls: list, in_prefill: bool):
+    """params_tensors that raises for a batch holding the POISON request (in prefill, or in decode steps)."""
+    real = step_module.params_tensors
+
+    def params_tensors(params, repeats=None, device="cpu"):
+        if (repeats is None) == in_prefill and any(p.seed == POISON for p in params):
+            calls.append(len(params))
+            raise RuntimeError("secret internal detail")
+        return real(params, repeats, device)
+    return params_tensors
+
+
+@pytest.mark.parametrize("in_prefill", [True, False], ids=["prefill", "decode"])
+def test_a_request_that_breaks_a_step_fails_alone(engine, llm_factory, monkeypatch, in_prefill):
     calls = []
-
-    def failing_step(seqs, budgets):
-        calls.append(1)
-        if len(calls) == 1:
-            raise RuntimeError("simulated fault")
-        return real_step(seqs, budgets)
-
-    monkeypatch.setattr(engine.llm.runner, "step", failing_step)
+    monkeypatch.setattr(step_module, "params_tensors", poisoned(calls, in_prefill))
+    bystanders = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+                  SamplingParams(temperature=1.0, seed=3, max_tokens=30, ignore_eos=True),
+                  SamplingParams(temperature=0.8, seed=4, max_tokens=25, ignore_eos=True)]
+    expected = llm_factory().generate(PROMPTS[:3], bystanders)
 
     async def main():
-        with pytest.raises(RequestFailed, match="simulated fault"):
-            await collect(engine.add_request("import os", SamplingParams(temperature=0, max_tokens=8)))
-        return await collect(engine.add_request("import os", SamplingParams(temperature=0, max_tokens=8)))
+        with engine._cond:  # the engine takes all four at once, so they share their first steps
+            streams = [engine.add_request(p, sp) for p, sp in zip(PROMPTS, bystanders)]
+            poison = engine.add_request(PROMPTS[3], SamplingParams(temperature=1.0, seed=POISON, max_tokens=30))
+        with pytest.raises(RequestFailed) as failure:
+            await collect(poison)
+        return await asyncio.gather(*(collect(s) for s in streams)), str(failure.value)
+
+    results, message = asyncio.run(main())
+    assert calls[0] > 1 and calls[-1] == 1  # a batch with others failed first, then the poison alone
+    assert "secret" not in message and "internal error" in message
+    for (text, ids, last), want in zip(results, expected):  # the others were not disturbed at all
+        assert ids == want.outputs[0].token_ids and last.finish_reason == "length"
+    assert engine.wait_idle(WAIT)
+    assert len(engine.scheduler.free) == engine.llm.max_num_seqs
+    assert engine.metrics.failed_requests._value.get() == 1 and engine.health() is None
+
+
+def test_failing_requests_never_leak_slots(engine, monkeypatch):
+    """Many more failing requests than slots (the prefill used to leave its slots taken, and then wedge)."""
+    monkeypatch.setattr(step_module, "params_tensors", poisoned([], in_prefill=True))
+
+    async def main():
+        for _ in range(3 * engine.llm.max_num_seqs):
+            with pytest.raises(RequestFailed):
+                await collect(engine.add_request("x", SamplingParams(temperature=1.0, seed=POISON)))
+        return await collect(engine.add_request("import os", SamplingParams(temperature=0, max_tokens=5)))
 
     text, ids, last = asyncio.run(main())
-    assert engine.alive and len(ids) == 8 and last.finish_reason == "length"
+    assert len(ids) == 5 and last.finish_reason == "length"
+    assert engine.wait_idle(WAIT) and len(engine.scheduler.free) == engine.llm.max_num_seqs
+    assert engine.health() is None
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_health_reports_a_stalled_engine(llm_factory, monkeypatch):
+    clock = FakeClock()
+    engine = AsyncEngine(llm_factory(), stall_timeout=30, clock=clock)
+    inside, release = threading.Event(), threading.Event()
+    real_step = engine.llm.runner.step
+
+    def stuck_step(seqs, budgets):
+        inside.set()
+        assert release.wait(WAIT)
+        return real_step(seqs, budgets)
+
+    monkeypatch.setattr(engine.llm.runner, "step", stuck_step)
+    engine.start()
+    try:
+        async def main():
+            stream = engine.add_request("import os", SamplingParams(temperature=0, max_tokens=4))
+            assert await asyncio.to_thread(inside.wait, WAIT)
+            assert engine.health() is None  # busy, not yet for too long
+            clock.now += 31
+            assert "inside one iteration for 31 s" in engine.health()
+            release.set()
+            return await collect(stream)
+
+        assert len(asyncio.run(main())[1]) == 4
+        assert engine.health() is None
+    finally:
+        release.set()
+        engine.shutdown()
+    assert "not running" in engine.health()
+
+
+def test_a_dead_engine_fails_its_requests_and_says_so(llm_factory, monkeypatch):
+    engine = AsyncEngine(llm_factory())
+
+    def broken():
+        raise RuntimeError("a bug outside the step")
+
+    monkeypatch.setattr(engine.scheduler, "slot_problem", broken)
+    engine.start()
+
+    async def main():
+        with pytest.raises(EngineDead):
+            await collect(engine.add_request("import os", SamplingParams(temperature=0, max_tokens=4)))
+        with pytest.raises(EngineDead):
+            engine.add_request("import os", SamplingParams())
+
+    asyncio.run(main())
+    assert engine.health() == "the engine is not running (RuntimeError)"
+
+
+def test_leaked_slots_are_reported_and_do_not_spin(engine, monkeypatch):
+    steps = []
+    real_step = engine.scheduler.step
+    monkeypatch.setattr(engine.scheduler, "step", lambda: steps.append(1) or real_step())
+    with engine._cond:
+        engine.scheduler.free.clear()  # as if every slot had leaked
+
+    async def main():
+        with engine._cond:  # the engine is idle: its next iteration is the one that takes this request
+            seen = engine.iterations
+            stream = engine.add_request("import os", SamplingParams(temperature=0, max_tokens=4))
+        await asyncio.to_thread(wait_for, engine, lambda: engine.iterations > seen)
+        assert "cache slots leaked: 0 free and 0 running of 4" in engine.health()
+        stream.abort()
+
+    asyncio.run(main())
+    assert engine.wait_idle(WAIT)
+    assert steps == []  # work waiting and no slot: the engine waits instead of stepping in a loop
+
+
+def wait_for(engine, predicate):
+    with engine._cond:
+        assert engine._cond.wait_for(predicate, WAIT)
