@@ -97,9 +97,13 @@ class Tokenizer:
         if not self.chat_template:
             lines = [f"{m['role']}: {m['content']}" for m in messages]
             return "\n".join(lines) + ("\nassistant:" if add_generation_prompt else "")
-        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+        # A checkpoint's template is untrusted code: sandboxed, it cannot reach Python objects' internals (as
+        # refusing pickled weights would be pointless otherwise). raise_exception is what HF templates call.
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
+        env.globals["raise_exception"] = _raise_template_error
         return env.from_string(self.chat_template).render(
             messages=messages, add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "", eos_token=self.eos_token or "")
@@ -108,6 +112,12 @@ class Tokenizer:
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a conversation rendered with the chat template (which writes any BOS itself)."""
         return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+
+
+def _raise_template_error(message: str):
+    import jinja2
+
+    raise jinja2.TemplateError(message)
 
 
 class IncrementalDetokenizer:
