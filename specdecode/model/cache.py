@@ -10,13 +10,20 @@ import torch
 
 
 class KVCache:
-    """Per-layer key/value buffers [slots, kv_heads, max_len, head_dim] and committed lengths [slots]."""
+    """Per-layer keys [slots, kv_heads, head_dim, max_len], values [slots, kv_heads, max_len, head_dim] and
+    committed lengths [slots].
+
+    Keys are stored transposed, so that the scores of a few new queries over a row's first L positions are one
+    plain matrix product with a contiguous-rowed [head_dim, L] operand: in bfloat16 on CPU that is 3-10x faster
+    than reading keys [L, head_dim] transposed (and than scaled_dot_product_attention for one query).
+    """
 
     def __init__(self, num_layers: int, slots: int, kv_heads: int, max_len: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
-        shape = (slots, kv_heads, max_len, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k = [torch.zeros(slots, kv_heads, head_dim, max_len, dtype=dtype, device=device)
+                  for _ in range(num_layers)]
+        self.v = [torch.zeros(slots, kv_heads, max_len, head_dim, dtype=dtype, device=device)
+                  for _ in range(num_layers)]
         self.max_len = max_len
         self.device = torch.device(device)
         # Lengths live on the host: the engine needs them to size every step, and a device copy is made per
@@ -30,15 +37,20 @@ class KVCache:
     def write(self, layer: int, slots: torch.Tensor, write_pos: torch.Tensor, k_new: torch.Tensor,
               v_new: torch.Tensor) -> None:
         """Store new keys/values. slots [B], write_pos [B, T], k_new/v_new [B, kv_heads, T, head_dim]."""
-        # Advanced indices on dims 0 and 2 with a slice between them put the indexed dims first: [B, T, kvh, hd].
-        self.k[layer][slots[:, None], :, write_pos] = k_new.transpose(1, 2)
+        # Advanced indices around slices put the indexed dims first: [B, T, kv_heads, head_dim] for both.
+        self.k[layer][slots[:, None], :, :, write_pos] = k_new.transpose(1, 2)
         self.v[layer][slots[:, None], :, write_pos] = v_new.transpose(1, 2)
 
     def write_block(self, layer: int, first_slot: int, start: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
         """Store new keys/values [B, kv_heads, T, head_dim] of slots first_slot.. at positions start..start+T-1."""
         B, T = k_new.shape[0], k_new.shape[2]
-        self.k[layer][first_slot:first_slot + B, :, start:start + T] = k_new
+        self.k[layer][first_slot:first_slot + B, :, :, start:start + T] = k_new.transpose(2, 3)
         self.v[layer][first_slot:first_slot + B, :, start:start + T] = v_new
+
+    def read(self, layer: int, rows: slice | torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys [B, kv_heads, head_dim, length] (transposed) and values [B, kv_heads, length, head_dim] of the
+        first `length` positions of `rows` (a slice: views, no copy; a tensor of slots: a gathered copy)."""
+        return self.k[layer][rows, :, :, :length], self.v[layer][rows, :, :length]
 
     def advance(self, slots: torch.Tensor, n: torch.Tensor | int) -> None:
         """Make the first n freshly written positions of each row part of its committed prefix."""
@@ -65,9 +77,9 @@ class KVCache:
         src = (base + kept.to(self.device)).clamp_(max=self.max_len - 1)  # [B, A]
         dst = (base + torch.arange(kept.shape[1], device=self.device)).clamp_(max=self.max_len - 1)  # [B, A]
         rows = slots_dev[:, None]
-        for buffers in (self.k, self.v):
-            for buf in buffers:
-                buf[rows, :, dst] = buf[rows, :, src]  # gather makes a copy first, so overlaps are safe
+        for k, v in zip(self.k, self.v):  # gathers make a copy first, so overlaps are safe
+            k[rows, :, :, dst] = k[rows, :, :, src]
+            v[rows, :, dst] = v[rows, :, src]
         self.advance(slots, n_kept)
 
     def rollback(self, slots: torch.Tensor, lengths: torch.Tensor | int) -> None:

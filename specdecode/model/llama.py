@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdecode.model.attention import CacheContext
 from specdecode.model.cache import KVCache
 from specdecode.model.config import ModelConfig
 
@@ -36,15 +37,14 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:  # the library op: fewer dispatches, and it runs twice per layer per token
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        # Normalise in float32 and scale after casting back, in the reference implementation's rounding order.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        # Reduced precision: normalise (in float32 inside the op), round, then scale, in the reference
+        # implementation's rounding order.
+        return self.weight * F.rms_norm(x, self.weight.shape, None, self.eps)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """x * cos + rotate_half(x) * sin, with rotate_half(x) = [-x2, x1] computed as roll(x) = [x2, x1] times
-    signed_sin = [-sin1, sin2]: the same numbers in three operations. x [B, heads, T, hd], cos/sin [B, 1, T, hd]."""
+    signed_sin = [-sin1, sin2]: the same numbers in three operations. x, cos, sin [B, T, heads, hd] (or broadcast)."""
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
 
 
@@ -77,9 +77,9 @@ class Attention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         d, hd, bias = config.hidden_size, config.head_dim, config.attention_bias
-        self.sizes = (self.num_heads * hd, self.num_kv_heads * hd, self.num_kv_heads * hd)  # q, k, v
-        self.qkv_proj = nn.Linear(d, sum(self.sizes), bias=bias)
-        stack_under_hf_names(self, "qkv_proj", ("q_proj", "k_proj", "v_proj"), self.sizes)
+        sizes = (self.num_heads * hd, self.num_kv_heads * hd, self.num_kv_heads * hd)  # q, k, v
+        self.qkv_proj = nn.Linear(d, sum(sizes), bias=bias)
+        stack_under_hf_names(self, "qkv_proj", ("q_proj", "k_proj", "v_proj"), sizes)
         self.o_proj = nn.Linear(self.num_heads * hd, d, bias=False)
         if config.qk_norm:
             self.q_norm = RMSNorm(hd, config.rms_norm_eps)
@@ -87,23 +87,20 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: "_CacheContext | None"):
-        """x [B * T, D] (token-major), cos/sin [B, 1, T, hd] -> [B * T, D]."""
-        B, T = cos.shape[0], cos.shape[2]
-        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)  # [B * T, heads * hd], [B * T, kv_heads * hd] x 2
-        q = q.view(B, T, self.num_heads, self.head_dim)
-        k = k.view(B, T, self.num_kv_heads, self.head_dim)
-        v = v.view(B, T, self.num_kv_heads, self.head_dim)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: CacheContext | None):
+        """x [B * T, D] (token-major), cos/sin [B, T, 1, hd] -> [B * T, D]."""
+        B, T = cos.shape[0], cos.shape[1]
+        h, kvh = self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(B, T, h + 2 * kvh, self.head_dim)  # heads in order: q..., k..., v...
+        qk, v = qkv[:, :, :h + kvh], qkv[:, :, h + kvh:]
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, hd]
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            qk = torch.cat((self.q_norm(qk[:, :, :h]), self.k_norm(qk[:, :, h:])), dim=2)
+        qk = apply_rotary(qk, cos, sin)  # queries and keys at once
+        q, k, v = qk[:, :, :h].transpose(1, 2), qk[:, :, h:].transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, hd]
         if ctx is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:
-            keys, values = ctx.write_and_read(self.layer_idx, k, v)  # [B, kv_heads, L, hd]
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=ctx.mask, is_causal=ctx.is_causal,
-                                                 enable_gqa=True)
+            out = ctx.attend(self.layer_idx, q, k, v)  # [B, heads, T, hd]
         return self.o_proj(out.transpose(1, 2).reshape(B * T, -1))
 
 
@@ -142,65 +139,6 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-class _CacheContext:
-    """What every layer of one cached forward shares: where to write, what to read, the attention mask.
-
-    Everything here is computed once per forward, not per layer. The common cases of plain decoding get cheap
-    paths, since they run once per token: rows that are a contiguous range of slots are read and written through
-    views, rows of equal length write with one slice copy, and a mask that would allow everything is dropped.
-    """
-
-    def __init__(self, cache: KVCache, slots: torch.Tensor | None, batch: int, new_tokens: int,
-                 tree_mask: torch.Tensor | None, pending: int):
-        device = cache.device
-        self.cache = cache
-        slots = torch.arange(batch) if slots is None else slots.cpu()
-        slot_list = slots.tolist()
-        # First slot of the rows when they are slots first..first+B-1 (read through views, no gather), else None.
-        self.first_slot = slot_list[0] if slot_list == list(range(slot_list[0], slot_list[0] + batch)) else None
-        lengths = cache.lengths[slots]  # [B], host
-        length_list = lengths.tolist()
-        fresh = pending + new_tokens  # positions after the committed prefix this forward can see
-        self.context_len = max(length_list) + fresh
-        if self.context_len > cache.max_len:
-            raise ValueError(f"the KV cache holds {cache.max_len} positions per row; this step needs "
-                             f"{self.context_len}. Allocate a longer cache or generate fewer tokens.")
-        same_length = min(length_list) == max(length_list)
-        # Start of every row's new tokens when it is the same for all rows (one slice write), else None.
-        self.write_start = length_list[0] + pending if same_length else None
-        self.slots = slots.to(device)
-        lengths = lengths.to(device)
-        new = torch.arange(new_tokens, device=device)
-        self.write_pos = lengths[:, None] + pending + new  # [B, T]
-        self.is_causal = False
-        self.mask = None  # [B, 1, T, L] bool, True = may attend; None = every position
-        if tree_mask is None and same_length and new_tokens == 1:
-            return  # one new token per row after equal prefixes: it sees every position
-        if tree_mask is None and same_length and length_list[0] == 0 and pending == 0:
-            self.is_causal = True  # a prefill from empty rows: plain causal attention over the new tokens
-            return
-        rel = torch.arange(self.context_len, device=device)[None, :] - lengths[:, None]  # [B, L]: offset from prefix end
-        is_fresh = (rel >= 0) & (rel < fresh)
-        if tree_mask is None:
-            fresh_visible = rel[:, None, :] <= pending + new[None, :, None]  # [B, T, L]: causal
-        else:
-            index = rel.clamp(0, fresh - 1)[:, None, :].expand(batch, new_tokens, self.context_len)
-            fresh_visible = torch.gather(tree_mask.to(device), 2, index)  # [B, T, L]
-        self.mask = ((rel < 0)[:, None, :] | (is_fresh[:, None, :] & fresh_visible))[:, None]  # [B, 1, T, L]
-
-    def write_and_read(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store this layer's new keys/values [B, kv_heads, T, hd]; return its context [B, kv_heads, L, hd]."""
-        cache, L = self.cache, self.context_len
-        if self.first_slot is not None and self.write_start is not None:
-            cache.write_block(layer, self.first_slot, self.write_start, k, v)
-        else:
-            cache.write(layer, self.slots, self.write_pos, k, v)
-        if self.first_slot is not None:
-            rows = slice(self.first_slot, self.first_slot + k.shape[0])
-            return cache.k[layer][rows, :, :L], cache.v[layer][rows, :, :L]
-        return cache.k[layer][self.slots, :, :L], cache.v[layer][self.slots, :, :L]
-
-
 class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -225,8 +163,8 @@ class LlamaForCausalLM(nn.Module):
                        dtype=self.dtype, device=self.device)
 
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin (see apply_rotary) [B, 1, T, head_dim] for position ids [B, T]."""
-        freqs = positions.float()[:, None, :, None] * self.inv_freq  # [B, 1, T, hd/2]
+        """cos and signed sin (see apply_rotary) [B, T, 1, head_dim] for position ids [B, T]."""
+        freqs = positions.float()[:, :, None, None] * self.inv_freq  # [B, T, 1, hd/2]
         cos, sin = freqs.cos().to(self.dtype), freqs.sin().to(self.dtype)
         return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
 
@@ -249,7 +187,7 @@ class LlamaForCausalLM(nn.Module):
         B, T = input_ids.shape
         ctx = None
         if cache is not None:
-            ctx = _CacheContext(cache, slots, B, T, tree_mask, pending)
+            ctx = CacheContext(cache, slots, B, T, tree_mask, pending)
             if positions is None:
                 positions = ctx.write_pos
         elif positions is None:
