@@ -1,35 +1,61 @@
 """The OpenAI-compatible HTTP API over an AsyncEngine: /v1/completions, /v1/chat/completions (both with
 "stream": true as server-sent events), /v1/models, /health and Prometheus /metrics.
 
-Every request is checked here, before the engine sees it; anything wrong is a 4xx in OpenAI's error format.
+Every request is checked before the engine sees it (Guard: host, key, content type, body size; ServerLimits and
+the request models: everything else); anything wrong is a 4xx in OpenAI's error format. Parsing, chat template
+rendering and tokenisation run in worker threads, so a heavy request never stalls the other clients' streams.
 """
 from __future__ import annotations
 
 import asyncio
-import hmac
+import dataclasses
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
 
+import jinja2
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdecode.engine.async_engine import (AsyncEngine, EngineDead, EngineOverloaded, RequestAborted,
                                             RequestFailed, RequestStream)
 from specdecode.errors import ConfigError
 from specdecode.sampling import SamplingParams
+from specdecode.server.guard import LOCAL_HOSTS, Guard
+from specdecode.server.limits import ServerLimits
 from specdecode.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request, parse
 
 MAX_PROMPT_CHARS_PER_TOKEN = 64
-"""Prompts longer than this many characters per context token are refused before tokenisation."""
+"""Prompts longer than this many characters per allowed prompt token are refused before tokenisation."""
+
+log = logging.getLogger("specdecode.server")
 
 
-def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) -> FastAPI:
+@dataclasses.dataclass
+class Prepared:
+    """A request checked, tokenised and turned into sampling parameters, ready for the engine."""
+
+    req: CompletionRequest | ChatCompletionRequest
+    ids: list[int]
+    params: SamplingParams
+    echo: str = ""
+    """Completions with echo: the prompt text to send back first."""
+
+
+def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, limits: ServerLimits | None = None,
+              allowed_hosts: list[str] | None = None) -> FastAPI:
+    """allowed_hosts: names the Host header may carry (default: localhost, 127.0.0.1 and ::1; "*" = any)."""
+    limits = limits or ServerLimits()
     app = FastAPI(title="specdecode", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(Guard, limits=limits, allowed_hosts=list(allowed_hosts or LOCAL_HOSTS), api_key=api_key)
     llm = engine.llm
+    vocab = llm.target.config.vocab_size
+    max_prompt = limits.prompt_tokens(llm.max_model_len)
     created = int(time.time())
 
     @app.exception_handler(APIError)
@@ -44,15 +70,16 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
-        return JSONResponse(APIError(500, f"internal error: {exc}", type="internal_error").body(), status_code=500)
-
-    if api_key is not None:
-        app.add_middleware(_RequireKey, api_key=api_key)
+        error_id = uuid.uuid4().hex[:12]
+        log.error("request to %s failed (error %s)", request.url.path, error_id, exc_info=exc)
+        return JSONResponse(APIError(500, f"internal error (error id {error_id} in the server's log)",
+                                     type="internal_error").body(), status_code=500)
 
     @app.get("/health")
     async def health():
-        if not engine.alive:
-            return JSONResponse({"status": "engine stopped"}, status_code=503)
+        problem = engine.health()
+        if problem is not None:
+            return JSONResponse({"status": "unavailable", "reason": problem}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -63,6 +90,14 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
                                             "owned_by": "specdecode", "max_model_len": llm.max_model_len}]}
+
+    # -- preparation (worker threads) -----------------------------------------------------------------------
+
+    def check(req) -> None:
+        if req.model is not None and req.model != model_name:
+            raise APIError(404, f"the model {req.model!r} does not exist; this server serves {model_name!r}",
+                           param="model", code="model_not_found")
+        limits.check_request(req, vocab)
 
     def sampling_params(req, prompt_len: int, max_tokens: int | None) -> SamplingParams:
         room = llm.max_model_len - prompt_len
@@ -87,30 +122,51 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
         if isinstance(prompt, str):
             if not prompt:
                 raise bad_request("the prompt is empty", "prompt")
-            if len(prompt) > MAX_PROMPT_CHARS_PER_TOKEN * llm.max_model_len:
-                raise bad_request(f"the prompt is longer than the model's context of {llm.max_model_len} tokens",
-                                  "prompt")
+            if len(prompt) > MAX_PROMPT_CHARS_PER_TOKEN * max_prompt:
+                raise bad_request(f"the prompt is longer than the {max_prompt} tokens this server accepts", "prompt")
             ids = llm.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         else:
             ids = prompt
-            vocab = llm.target.config.vocab_size
-            if any(not 0 <= t < vocab for t in ids):
+            if len(ids) <= max_prompt and any(not 0 <= t < vocab for t in ids):
                 raise bad_request(f"prompt token ids must be in [0, {vocab})", "prompt")
         if not ids:
             raise bad_request("the prompt is empty", "prompt")
-        if len(ids) >= llm.max_model_len:
-            raise bad_request(f"the prompt has {len(ids)} tokens but this model's context is {llm.max_model_len}; "
-                              "shorten the prompt", "prompt")
+        if len(ids) > max_prompt:
+            raise bad_request(f"the prompt has {len(ids)} tokens but this server accepts at most {max_prompt} "
+                              f"(the model's context is {llm.max_model_len}); shorten the prompt", "prompt")
         return ids
 
-    def check_model(req) -> None:
-        if req.model is not None and req.model != model_name:
-            raise APIError(404, f"the model {req.model!r} does not exist; this server serves {model_name!r}",
-                           param="model", code="model_not_found")
+    def prepare_completion(body: bytes) -> Prepared:
+        req = parse(CompletionRequest, body)
+        check(req)
+        prompt = req.single_prompt()
+        ids = tokenize(prompt)
+        echo = (prompt if isinstance(prompt, str) else llm.tokenizer.decode(ids)) if req.echo else ""
+        return Prepared(req, ids, sampling_params(req, len(ids), req.max_tokens), echo)
 
-    def submit(ids: list[int], params: SamplingParams, request_id: str) -> RequestStream:
+    def prepare_chat(body: bytes) -> Prepared:
+        req = parse(ChatCompletionRequest, body)
+        check(req)
+        limits.check_messages(req.messages)
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         try:
-            return engine.add_request(ids, params, request_id)
+            text = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except jinja2.TemplateError as exc:  # the template refused these messages (raise_exception) or was unsafe
+            raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from None
+        except Exception:
+            log.exception("the chat template failed")
+            raise bad_request("the chat template could not render these messages", "messages") from None
+        # A template that writes the BOS token itself must not get a second one from the tokenizer.
+        bos = llm.tokenizer.bos_token
+        ids = tokenize(text, add_special_tokens=not (bos and text.startswith(bos)))
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        return Prepared(req, ids, sampling_params(req, len(ids), max_tokens))
+
+    # -- routes ---------------------------------------------------------------------------------------------
+
+    def submit(prepared: Prepared, request_id: str) -> RequestStream:
+        try:
+            return engine.add_request(prepared.ids, prepared.params, request_id)
         except ConfigError as exc:
             raise bad_request(str(exc)) from None
         except EngineOverloaded as exc:
@@ -120,14 +176,10 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = parse(CompletionRequest, await request.body())
-        check_model(req)
-        prompt = req.single_prompt()
-        ids = tokenize(prompt)
-        params = sampling_params(req, len(ids), req.max_tokens)
+        prepared = await run_in_threadpool(prepare_completion, await request.body())
+        req, echo = prepared.req, prepared.echo
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        stream = submit(ids, params, request_id)
-        echo = prompt if req.echo and isinstance(prompt, str) else (llm.tokenizer.decode(ids) if req.echo else "")
+        stream = submit(prepared, request_id)
 
         def chunk(text: str, finish_reason: str | None) -> dict:
             return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model_name,
@@ -148,20 +200,10 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req = parse(ChatCompletionRequest, await request.body())
-        check_model(req)
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        try:
-            text = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        except Exception as exc:  # the checkpoint's Jinja template rejected these messages
-            raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from None
-        # A template that writes the BOS token itself must not get a second one from the tokenizer.
-        bos = llm.tokenizer.bos_token
-        ids = tokenize(text, add_special_tokens=not (bos and text.startswith(bos)))
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = sampling_params(req, len(ids), max_tokens)
+        prepared = await run_in_threadpool(prepare_chat, await request.body())
+        req = prepared.req
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = submit(ids, params, request_id)
+        stream = submit(prepared, request_id)
 
         def chunk(delta: dict, finish_reason: str | None) -> dict:
             return {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()),
@@ -185,24 +227,6 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
     return app
 
 
-class _RequireKey:
-    """ASGI middleware: /v1 routes need `Authorization: Bearer KEY` (health and metrics stay open)."""
-
-    def __init__(self, app, api_key: str):
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                error = APIError(401, "invalid or missing API key: send 'Authorization: Bearer KEY'",
-                                 code="invalid_api_key")
-                await JSONResponse(error.body(), status_code=401)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
 def _include_usage(req) -> bool:
     return req.stream_options is not None and req.stream_options.include_usage
 
@@ -224,7 +248,7 @@ def _sse_response(events: AsyncIterator[str]) -> StreamingResponse:
 async def _stream_chunks(stream: RequestStream, make_chunk, include_usage: bool, request_id: str, model_name: str,
                          obj: str) -> AsyncIterator[str]:
     """SSE events for one request. If the client goes away, Starlette cancels this generator and `finally`
-    aborts the request, which frees its slot."""
+    aborts the request, which frees its slot. Engine errors carry no internal detail (see RequestFailed)."""
     last = None
     try:
         async for delta in stream:

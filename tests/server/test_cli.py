@@ -1,4 +1,6 @@
-"""`specdecode serve` builds the engine and app from its flags and binds to loopback unless told otherwise."""
+"""`specdecode serve` builds the engine, app and uvicorn options from its flags, binds to loopback unless told
+otherwise, and takes its API key from a flag, a file or the environment."""
+import argparse
 import asyncio
 
 import httpx
@@ -6,34 +8,98 @@ import pytest
 import uvicorn
 
 from specdecode.cli import build_parser, main
+from specdecode.errors import ConfigError
+from specdecode.server.cli import API_KEY_ENV, api_key
 
 
-def test_serve_flags_wire_an_adaptive_engine(tiny_models, monkeypatch):
+def serve(tiny_models, monkeypatch, *flags, env=None):
+    """Run `specdecode serve` with uvicorn.run replaced: returns what it was given and a few answers of the app."""
     seen = {}
+    for name, value in (env or {}).items():
+        monkeypatch.setenv(name, value)
 
-    def fake_run(app, host, port, log_level):
-        seen.update(host=host, port=port)
+    def fake_run(app, host, port, log_level, **options):
+        seen.update(host=host, port=port, options=options)
 
         async def ask():
             transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as http:
                 seen["unauthorised"] = (await http.get("/v1/models")).status_code
-                seen["models"] = (await http.get("/v1/models", headers={"Authorization": "Bearer k"})).json()
+                seen["models"] = await http.get("/v1/models", headers={"Authorization": "Bearer k"})
                 seen["health"] = (await http.get("/health")).status_code
                 seen["completion"] = (await http.post("/v1/completions", json={"prompt": "def", "max_tokens": 3},
-                                                      headers={"Authorization": "Bearer k"})).json()
+                                                      headers={"Authorization": "bearer k"})).json()
+                seen["foreign_host"] = (await http.get("/health", headers={"Host": "evil.example"})).status_code
 
         asyncio.run(ask())
 
     monkeypatch.setattr(uvicorn, "run", fake_run)
-    assert main(["serve", "--model", str(tiny_models["target"]), "--speculative-model", str(tiny_models["draft"]),
-                 "--num-speculative-tokens", "2", "--max-num-seqs", "2", "--api-key", "k",
-                 "--served-model-name", "tiny"]) == 0
+    code = main(["serve", "--model", str(tiny_models["target"]), "--dtype", "float32", *flags])
+    return code, seen
+
+
+def test_serve_flags_wire_an_engine_and_connection_limits(tiny_models, monkeypatch):
+    code, seen = serve(tiny_models, monkeypatch, "--speculative-model", str(tiny_models["draft"]),
+                       "--num-speculative-tokens", "2", "--max-num-seqs", "2", "--api-key", "k",
+                       "--served-model-name", "tiny", "--max-waiting", "10")
+    assert code == 0
     assert seen["host"] == "127.0.0.1" and seen["port"] == 8000
     assert seen["unauthorised"] == 401
-    assert [m["id"] for m in seen["models"]["data"]] == ["tiny"]
-    assert seen["health"] == 200
+    assert [m["id"] for m in seen["models"].json()["data"]] == ["tiny"]
+    assert seen["health"] == 200 and seen["foreign_host"] == 400
     assert seen["completion"]["usage"]["completion_tokens"] == 3
+    options = seen["options"]
+    assert options["limit_concurrency"] == 2 + 10 + 64
+    assert options["timeout_keep_alive"] == 5 and options["h11_max_incomplete_event_size"] == 16384
+    assert options["http"].__name__ == "HeaderTimeoutH11Protocol"
+
+
+def test_limit_flags_reach_the_server(tiny_models, monkeypatch):
+    code, seen = serve(tiny_models, monkeypatch, "--api-key-file", str(write(tiny_models["tok"] / "key", "k\n")),
+                       "--max-connections", "7", "--keep-alive-timeout", "2", "--max-header-bytes", "4096",
+                       "--allowed-hosts", "evil.example")
+    assert code == 0 and seen["models"].status_code == 200 and seen["foreign_host"] == 200
+    assert (seen["options"]["limit_concurrency"], seen["options"]["timeout_keep_alive"],
+            seen["options"]["h11_max_incomplete_event_size"]) == (7, 2, 4096)
+
+
+def test_api_key_from_the_environment(tiny_models, monkeypatch):
+    code, seen = serve(tiny_models, monkeypatch, env={API_KEY_ENV: "k"})
+    assert code == 0 and seen["unauthorised"] == 401 and seen["models"].status_code == 200
+
+
+def write(path, text):
+    path.write_text(text)
+    return path
+
+
+def key_args(**kwargs):
+    return argparse.Namespace(**{"api_key": None, "api_key_file": None, **kwargs})
+
+
+def test_api_key_sources(tmp_path):
+    assert api_key(key_args(), environ={}) is None
+    assert api_key(key_args(), environ={API_KEY_ENV: " k1 "}) == "k1"
+    assert api_key(key_args(api_key="k2"), environ={API_KEY_ENV: "k1"}) == "k2"  # a flag wins
+    assert api_key(key_args(api_key_file=write(tmp_path / "key", "k3\n")), environ={}) == "k3"
+    for args, env in ((key_args(api_key=""), {}), (key_args(api_key="  "), {}), (key_args(), {API_KEY_ENV: ""}),
+                      (key_args(api_key_file=write(tmp_path / "empty", "\n")), {})):
+        with pytest.raises(ConfigError, match="is empty, which would lock every client out"):
+            api_key(args, environ=env)
+    with pytest.raises(ConfigError, match="not both"):
+        api_key(key_args(api_key="a", api_key_file=tmp_path / "key"), environ={})
+    with pytest.raises(ConfigError, match="cannot read --api-key-file"):
+        api_key(key_args(api_key_file=tmp_path / "missing"), environ={})
+
+
+def test_an_empty_api_key_is_a_clear_cli_error(tiny_models, capsys):
+    assert main(["serve", "--model", str(tiny_models["target"]), "--api-key", ""]) == 2
+    assert "API key from --api-key is empty" in capsys.readouterr().err
+
+
+def test_bad_limits_are_cli_errors(tiny_models, capsys):
+    assert main(["serve", "--model", str(tiny_models["target"]), "--max-body-bytes", "0"]) == 2
+    assert "--max-body-bytes must be a positive number" in capsys.readouterr().err
 
 
 def test_serve_rejects_contradictory_flags(tiny_models, capsys):

@@ -1,7 +1,9 @@
-"""The OpenAI-compatible server, started for real on loopback and driven by the official openai client."""
+"""The OpenAI-compatible server, started for real on loopback and driven by the official openai client. Tests of
+speculative serving check that drafts were proposed and accepted; tests of disconnects hold the engine with a
+gate instead of hoping that generation outlasts the client."""
 import asyncio
 import json
-import time
+import socket
 
 import httpx
 import openai
@@ -11,10 +13,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from specdecode.engine.llm import LLM
 from specdecode.sampling import SamplingParams
 
-from .conftest import running_server
+from .conftest import WAIT, SpecCounts, StepGate, running_server
 
 WORDS = ["def", "class", "import", "return", "for", "print", "self", "Point", "range", "sys"]
 PROMPTS = [f"{WORDS[i % 10]} {WORDS[(3 * i + 1) % 10]}(" for i in range(16)]
+JSON = {"Content-Type": "application/json"}
 
 
 def client(server, **kwargs) -> openai.OpenAI:
@@ -33,28 +36,28 @@ def metrics(server) -> dict[str, float]:
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
-def wait_until_idle(server, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while server.engine.scheduler.has_work or server.engine._in_system:
-        assert time.monotonic() < deadline, "the engine did not go idle"
-        time.sleep(0.01)
+def finished_by_length(server) -> float:
+    return metrics(server).get('specdecode:request_success_total{"finished_reason": "length"}', 0)
 
 
 def test_models_and_health(server):
-    assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     models = client(server).models.list()
     assert [m.id for m in models.data] == [server.model]
 
 
 def test_completion_matches_offline_generate(server, reference):
+    counts = SpecCounts(server)
     out = client(server).completions.create(model=server.model, prompt=PROMPTS[0], max_tokens=20, temperature=0)
     expected = offline(reference, [PROMPTS[0]], [20])[0]
     assert out.choices[0].text == expected.text
     assert out.choices[0].finish_reason == expected.finish_reason
     assert out.usage.completion_tokens == len(expected.token_ids)
+    counts.assert_speculated()
 
 
 def test_streaming_equals_non_streaming(server):
+    counts = SpecCounts(server)
     c = client(server)
     whole = c.completions.create(model=server.model, prompt=PROMPTS[1], max_tokens=24, temperature=0)
     chunks = list(c.completions.create(model=server.model, prompt=PROMPTS[1], max_tokens=24, temperature=0,
@@ -62,9 +65,11 @@ def test_streaming_equals_non_streaming(server):
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == whole.choices[0].text
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == whole.choices[0].finish_reason
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    counts.assert_speculated()
 
 
 def test_chat_uses_the_chat_template_and_streams(server, reference):
+    counts = SpecCounts(server)
     c = client(server)
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "def add(a, b):"}]
     whole = c.chat.completions.create(model=server.model, messages=messages, max_tokens=16, temperature=0)
@@ -76,9 +81,11 @@ def test_chat_uses_the_chat_template_and_streams(server, reference):
     deltas = [ch.choices[0].delta for ch in stream]
     assert deltas[0].role == "assistant"
     assert "".join(d.content or "" for d in deltas) == whole.choices[0].message.content
+    counts.assert_speculated()
 
 
 def test_sixteen_concurrent_clients_each_get_their_own_text(server, reference):
+    counts = SpecCounts(server)
     max_tokens = [8 + 3 * i for i in range(16)]  # different lengths: sequences leave and join mid-batch
     expected = offline(reference, PROMPTS, max_tokens)
 
@@ -97,27 +104,36 @@ def test_sixteen_concurrent_clients_each_get_their_own_text(server, reference):
 
     texts = asyncio.run(main())
     assert texts == [e.text for e in expected]
+    counts.assert_speculated()
 
 
-def test_metrics_parse_and_counters_move(server):
-    before = metrics(server)
-    controller = server.llm.controller
-    controller.fixed_k = 3  # the tiny draft is as big as its target: left alone, the engine rarely drafts
-    try:
-        client(server).completions.create(model=server.model, prompt=PROMPTS[2], max_tokens=32, temperature=0)
-    finally:
-        controller.fixed_k = None
-    after = metrics(server)
-    for name in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_emitted_tokens",
-                 "generation_tokens", "prompt_tokens"):
-        assert after[f"specdecode:{name}_total"] > before.get(f"specdecode:{name}_total", 0), name
-    assert after["specdecode:spec_decode_num_emitted_tokens_total"] >= after[
-        "specdecode:spec_decode_num_accepted_tokens_total"]
-    assert after["specdecode:time_to_first_token_seconds_count"] > before["specdecode:time_to_first_token_seconds_count"]
-    assert after["specdecode:e2e_request_latency_seconds_count"] > before["specdecode:e2e_request_latency_seconds_count"]
-    assert after["specdecode:spec_decode_verify_time_seconds_count"] > 0
+def test_metric_deltas_equal_the_engine_counts(server):
+    """Every speculation counter moves by exactly what the engine itself counted; emitted = accepted + one per
+    step that drafted; the completions account for every token (1 from the prefill + accepted + 1 per step)."""
+    before, counts = metrics(server), SpecCounts(server)
+    lengths = [17, 30, 9]
+    outs = [client(server).completions.create(model=server.model, prompt=PROMPTS[2 + i], max_tokens=n,
+                                              temperature=0, extra_body={"ignore_eos": True})
+            for i, n in enumerate(lengths)]
+    after, engine = metrics(server), counts.assert_speculated()
+
+    def moved(name):
+        return after[f"specdecode:{name}"] - before.get(f"specdecode:{name}", 0)
+
+    assert moved("spec_decode_num_drafts_total") == engine["drafts"]
+    assert moved("spec_decode_num_draft_tokens_total") == engine["draft_tokens"]
+    assert moved("spec_decode_num_accepted_tokens_total") == engine["accepted_tokens"]
+    assert moved("spec_decode_num_emitted_tokens_total") == engine["accepted_tokens"] + engine["drafts"]
+    for pos, n in enumerate(engine["accepted_per_pos"]):
+        assert moved(f'spec_decode_num_accepted_tokens_per_pos_total{{"position": "{pos}"}}') == n, pos
+    assert sum(engine["accepted_per_pos"]) == engine["accepted_tokens"]
+    completion_tokens = sum(o.usage.completion_tokens for o in outs)
+    assert completion_tokens == sum(lengths) == moved("generation_tokens_total")
+    assert completion_tokens == len(outs) + engine["steps"] + engine["accepted_tokens"]
+    assert engine["accepted_tokens"] > engine["drafts"], "several drafts accepted in one step, some of the time"
+    assert moved("time_to_first_token_seconds_count") == moved("e2e_request_latency_seconds_count") == len(outs)
+    assert moved("spec_decode_verify_time_seconds_count") == engine["steps"]
     assert after["specdecode:spec_decode_realised_speedup"] > 0
-    assert 'specdecode:spec_decode_num_accepted_tokens_per_pos_total{"position": "0"}' in after
     assert after["specdecode:num_requests_running"] == 0
 
 
@@ -136,13 +152,18 @@ BAD_BODIES = [
     ("completions", {"prompt": "x", "top_p": 0}),
     ("completions", {"prompt": "x", "top_p": 1.5}),
     ("completions", {"prompt": "x", "top_k": -5}),
+    ("completions", {"prompt": "x", "top_k": 2 ** 63}),  # once failed every request in flight, and leaked a slot
+    ("completions", {"prompt": "x", "top_k": 10 ** 6}),  # more than the vocabulary
     ("completions", {"prompt": "x", "seed": 2 ** 70}),
     ("completions", {"prompt": "x", "stop": [""]}),
     ("completions", {"prompt": "x", "stop": 7}),
+    ("completions", {"prompt": "x", "stop": [str(i) for i in range(17)]}),  # more than --max-stop-strings
+    ("completions", {"prompt": "x", "stop": "s" * 257}),  # longer than --max-stop-chars
     ("completions", {"prompt": "x", "n": 2}),
     ("completions", {"prompt": ""}),
     ("completions", {"prompt": []}),
     ("completions", {"prompt": [10 ** 9]}),
+    ("completions", {"prompt": [1] * 600}),  # longer than the context: refused before its ids are scanned
     ("completions", {"prompt": "def f(): pass\n" * 600}),
     ("completions", {"prompt": ["a", "b"]}),
     ("completions", {"prompt": "x", "model": "some-other-model"}),
@@ -153,23 +174,26 @@ BAD_BODIES = [
     ("chat/completions", {"messages": [{"role": "user", "content": 3}]}),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}] * 1025}),  # more than --max-messages
 ]
 
 
 @pytest.mark.parametrize("path,body", BAD_BODIES)
 def test_bad_input_gets_a_4xx_in_openai_format(server, path, body):
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    response = httpx.post(f"{server.url}/v1/{path}", content=content, headers={"Content-Type": "application/json"})
+    response = httpx.post(f"{server.url}/v1/{path}", content=content, headers=JSON)
     assert 400 <= response.status_code < 500, response.text
     error = response.json()["error"]
     assert error["message"] and error["type"]
 
 
 def test_the_engine_survives_bad_input(server, reference):
-    for path, body in BAD_BODIES[:8]:
-        httpx.post(f"{server.url}/v1/{path}", content=body if isinstance(body, bytes) else json.dumps(body))
-    assert server.engine.alive
+    for path, body in BAD_BODIES:
+        httpx.post(f"{server.url}/v1/{path}", content=body if isinstance(body, bytes) else json.dumps(body),
+                   headers=JSON)
+    assert server.engine.health() is None
     test_completion_matches_offline_generate(server, reference)
+    assert server.engine.wait_idle(WAIT) and len(server.engine.scheduler.free) == server.llm.max_num_seqs
 
 
 def test_per_request_switches(server, reference):
@@ -186,29 +210,38 @@ def test_per_request_switches(server, reference):
     assert sampled[0] == sampled[1]
 
 
-def test_a_client_that_disconnects_mid_stream_frees_its_slot(server):
-    wait_until_idle(server)
-    before = metrics(server).get('specdecode:request_success_total{"finished_reason": "length"}', 0)
+def test_a_client_that_disconnects_mid_stream_frees_its_slot(server, monkeypatch):
+    assert server.engine.wait_idle(WAIT)
+    before = finished_by_length(server)
+    gate = StepGate(server.engine, monkeypatch)
     body = {"prompt": PROMPTS[5], "max_tokens": 480, "temperature": 0, "ignore_eos": True, "stream": True}
-    with httpx.Client(timeout=10) as http:
+    with httpx.Client(timeout=WAIT) as http:
         with http.stream("POST", server.url + "/v1/completions", json=body) as response:
             assert response.status_code == 200
             for line in response.iter_lines():
                 if line.startswith("data:"):
                     break  # read one event, then hang up
-    wait_until_idle(server)
-    assert metrics(server).get('specdecode:request_success_total{"finished_reason": "length"}', 0) == before
-    assert server.engine.scheduler.free and len(server.engine.scheduler.free) == server.llm.max_num_seqs
+    assert gate.aborted.wait(WAIT), "the server did not notice the client leave"
+    gate.opened.set()
+    assert server.engine.wait_idle(WAIT)
+    assert finished_by_length(server) == before
+    assert len(server.engine.scheduler.free) == server.llm.max_num_seqs
 
 
-def test_a_client_that_gives_up_on_a_non_streaming_request_frees_its_slot(server):
-    wait_until_idle(server)
-    before = metrics(server).get('specdecode:request_success_total{"finished_reason": "length"}', 0)
-    body = {"prompt": PROMPTS[6], "max_tokens": 480, "temperature": 0, "ignore_eos": True}
-    with pytest.raises(httpx.TimeoutException):
-        httpx.post(server.url + "/v1/completions", json=body, timeout=0.2)
-    wait_until_idle(server)
-    assert metrics(server).get('specdecode:request_success_total{"finished_reason": "length"}', 0) == before
+def test_a_client_that_gives_up_on_a_non_streaming_request_frees_its_slot(server, monkeypatch):
+    assert server.engine.wait_idle(WAIT)
+    before = finished_by_length(server)
+    gate = StepGate(server.engine, monkeypatch)
+    body = json.dumps({"prompt": PROMPTS[6], "max_tokens": 480, "temperature": 0, "ignore_eos": True}).encode()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=WAIT) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        assert gate.entered.wait(WAIT)  # the request is being generated: now hang up
+    assert gate.aborted.wait(WAIT), "the server did not notice the client leave"
+    gate.opened.set()
+    assert server.engine.wait_idle(WAIT)
+    assert finished_by_length(server) == before
+    assert len(server.engine.scheduler.free) == server.llm.max_num_seqs
 
 
 @pytest.fixture(scope="module")
@@ -225,27 +258,26 @@ def test_api_key_is_required(small_server):
     assert httpx.post(small_server.url + "/v1/completions", json={"prompt": "x"}).status_code == 401
     out = client(small_server, api_key="sesame").completions.create(model="tiny", prompt="x", max_tokens=2)
     assert out.usage.completion_tokens == 2
+    for scheme in ("bearer", "BEARER"):  # the scheme is case-insensitive (RFC 7235)
+        assert http_ok(small_server, {"Authorization": f"{scheme} sesame"})
+    for header in ("Bearer", "Basic sesame", "Bearer sesame2", "sesame"):
+        assert httpx.get(small_server.url + "/v1/models", headers={"Authorization": header}).status_code == 401
     assert httpx.get(small_server.url + "/health").status_code == 200
 
 
 def test_requests_beyond_the_queue_limit_are_refused(small_server, monkeypatch):
-    runner = small_server.llm.runner
-    real_step = runner.step
-
-    def slow_step(seqs, budgets):  # keeps the first request busy for as long as the test needs
-        time.sleep(0.01)
-        return real_step(seqs, budgets)
-
-    monkeypatch.setattr(runner, "step", slow_step)
+    gate = StepGate(small_server.engine, monkeypatch)
     headers = {"Authorization": "Bearer sesame"}
     body = {"prompt": "import os", "max_tokens": 400, "ignore_eos": True, "stream": True}
-    with httpx.Client(timeout=10, headers=headers) as http:
+    with httpx.Client(timeout=WAIT, headers=headers) as http:
         with http.stream("POST", small_server.url + "/v1/completions", json=body) as response:
             next(response.iter_lines())  # the long request now holds the only slot
             refused = http.post(small_server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
-            assert refused.status_code in (429, 503)
-            assert refused.json()["error"]["message"]
-    wait_until_idle(small_server)
+            assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
+            assert refused.json()["error"]["code"] == "queue_full"
+    assert gate.aborted.wait(WAIT)
+    gate.opened.set()
+    assert small_server.engine.wait_idle(WAIT)
     monkeypatch.undo()
     assert http_ok(small_server, headers)
 

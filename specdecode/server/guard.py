@@ -1,0 +1,107 @@
+"""ASGI middleware in front of every route: the Host header must be one the server answers to (against DNS
+rebinding), /v1 routes need the API key if one is set, and a POST must be JSON (a web page cannot send that
+cross-origin without a CORS preflight, which this server never grants), no larger than the body limit and sent
+within the body timeout. The body is read here, once, and handed to the route.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+
+from starlette.responses import JSONResponse
+
+from specdecode.server.limits import ServerLimits, too_large
+from specdecode.server.protocol import APIError
+
+LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
+
+
+def host_name(value: str) -> str:
+    """The host part of a Host header: 'example.com:8000' -> 'example.com', '[::1]:8000' -> '::1'."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        return value[1:value.find("]")] if "]" in value else value
+    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+
+
+class Guard:
+    def __init__(self, app, limits: ServerLimits, allowed_hosts: list[str], api_key: str | None = None):
+        """allowed_hosts: host names the Host header may carry ("*" allows any)."""
+        self.app = app
+        self.limits = limits
+        self.any_host = "*" in allowed_hosts
+        self.allowed_hosts = {host_name(h) for h in allowed_hosts}
+        self.api_key = api_key.encode() if api_key is not None else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        try:
+            headers = {name: value for name, value in scope["headers"]}
+            self._check_host(headers.get(b"host", b"").decode("latin-1"))
+            if scope["path"].startswith("/v1"):
+                self._check_key(headers.get(b"authorization", b""))
+            if scope["method"] == "POST":
+                body = await self._read_body(headers, receive)
+                if body is None:  # the client went away
+                    return
+                receive = _replay(body, receive)
+        except APIError as error:
+            response = JSONResponse(error.body(), status_code=error.status)
+            return await response(scope, receive, send)
+        await self.app(scope, receive, send)
+
+    def _check_host(self, host: str) -> None:
+        if not self.any_host and host_name(host) not in self.allowed_hosts:
+            raise APIError(400, f"the Host header {host!r} is not one this server answers to; start it with "
+                                f"--allowed-hosts {host_name(host) or 'HOST'} (or '*') to allow it",
+                           code="invalid_host")
+
+    def _check_key(self, authorization: bytes) -> None:
+        if self.api_key is None:
+            return
+        scheme, _, token = authorization.strip().partition(b" ")
+        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
+            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer KEY'",
+                           code="invalid_api_key")
+
+    async def _read_body(self, headers: dict, receive) -> bytes | None:
+        media_type = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
+        if media_type != b"application/json":
+            raise APIError(415, "send the request body as JSON with 'Content-Type: application/json'",
+                           code="unsupported_media_type")
+        limit = self.limits.max_body_bytes
+        declared = headers.get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_large(limit)
+        chunks, size = [], 0
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.limits.body_timeout
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                raise APIError(408, f"the request body did not arrive within {self.limits.body_timeout:g} s "
+                                    "(the server's --body-timeout)", code="request_timeout") from None
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise too_large(limit)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+
+def _replay(body: bytes, receive):
+    """A receive() that first returns the whole body, then whatever the client sends next (a disconnect)."""
+    sent = False
+
+    async def replayed():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+    return replayed

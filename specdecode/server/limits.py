@@ -1,0 +1,104 @@
+"""What one client may ask of the server: request sizes, stop strings, chat length, connection timeouts.
+
+Every bound is checked before any work is done on the request (and before the engine sees it), and answered
+with a 4xx in OpenAI's error format that names the limit and the flag that raises it.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from specdecode.errors import ConfigError
+from specdecode.server.protocol import APIError, bad_request
+
+
+@dataclasses.dataclass
+class ServerLimits:
+    """Bounds on requests and connections (`specdecode serve` has a flag for each)."""
+
+    max_body_bytes: int = 1 << 20
+    """Largest request body in bytes (413 beyond); --max-body-bytes."""
+    max_messages: int = 1024
+    """Most messages in one chat request; --max-messages."""
+    max_prompt_tokens: int | None = None
+    """Longest prompt in tokens (default and upper bound: the model's context minus one); --max-prompt-tokens."""
+    max_stop_strings: int = 16
+    """Most stop strings in one request (each is scanned at every step); --max-stop-strings."""
+    max_stop_chars: int = 256
+    """Longest stop string, in characters; --max-stop-chars."""
+    body_timeout: float = 30.0
+    """Seconds a client may take to send its request body (408 beyond); --body-timeout."""
+    header_timeout: float = 10.0
+    """Seconds a client may take to send a request's headers before the connection is closed; --header-timeout."""
+    keep_alive_timeout: int = 5
+    """Seconds an idle keep-alive connection stays open; --keep-alive-timeout."""
+    max_header_bytes: int = 16 * 1024
+    """Largest request head (request line and headers) in bytes; --max-header-bytes."""
+    max_connections: int | None = None
+    """Connections and requests in progress at once before new ones get 503 (None: no limit); --max-connections."""
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+                flag = "--" + f.name.replace("_", "-")
+                raise ConfigError(f"{flag} must be a positive number, got {value!r}")
+
+    def prompt_tokens(self, context: int) -> int:
+        """Longest prompt allowed with a model of this context length."""
+        return min(self.max_prompt_tokens or context - 1, context - 1)
+
+    def check_request(self, req, vocab_size: int) -> None:
+        """Bounds on the fields every request has (stop strings, top_k)."""
+        stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+        if len(stop) > self.max_stop_strings:
+            raise bad_request(f"at most {self.max_stop_strings} stop strings are allowed, got {len(stop)} "
+                              "(the server's --max-stop-strings)", "stop")
+        longest = max(map(len, stop), default=0)
+        if longest > self.max_stop_chars:
+            raise bad_request(f"stop strings may have at most {self.max_stop_chars} characters, got one of {longest} "
+                              "(the server's --max-stop-chars)", "stop")
+        if req.top_k is not None and req.top_k > vocab_size:
+            raise bad_request(f"top_k must be at most the vocabulary size {vocab_size} (0 or -1 keeps every token), "
+                              f"got {req.top_k}", "top_k")
+
+    def check_messages(self, messages: list) -> None:
+        if len(messages) > self.max_messages:
+            raise bad_request(f"at most {self.max_messages} messages are allowed in one request, got "
+                              f"{len(messages)} (the server's --max-messages)", "messages")
+
+
+def too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body is larger than {limit} bytes (the server's --max-body-bytes)",
+                    code="request_too_large")
+
+
+def add_limit_args(parser: argparse.ArgumentParser) -> None:
+    d = ServerLimits()
+    g = parser.add_argument_group("request and connection limits (beyond them a request gets a 4xx, before any work)")
+    g.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
+                   help=f"largest request body (default {d.max_body_bytes}: 1 MiB)")
+    g.add_argument("--max-messages", type=int, default=d.max_messages,
+                   help=f"most messages in one chat request (default {d.max_messages})")
+    g.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help="longest prompt in tokens (default: the context length minus one)")
+    g.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings,
+                   help=f"most stop strings per request (default {d.max_stop_strings})")
+    g.add_argument("--max-stop-chars", type=int, default=d.max_stop_chars,
+                   help=f"longest stop string in characters (default {d.max_stop_chars})")
+    g.add_argument("--body-timeout", type=float, default=d.body_timeout,
+                   help=f"seconds to receive a request body before answering 408 (default {d.body_timeout:g})")
+    g.add_argument("--header-timeout", type=float, default=d.header_timeout,
+                   help=f"seconds to receive a request's headers before closing the connection "
+                        f"(default {d.header_timeout:g})")
+    g.add_argument("--keep-alive-timeout", type=int, default=d.keep_alive_timeout,
+                   help=f"seconds an idle keep-alive connection stays open (default {d.keep_alive_timeout})")
+    g.add_argument("--max-header-bytes", type=int, default=d.max_header_bytes,
+                   help=f"largest request line plus headers (default {d.max_header_bytes})")
+    g.add_argument("--max-connections", type=int, default=None,
+                   help="connections and requests in progress before new ones get 503 (default: --max-num-seqs + "
+                        "--max-waiting + 64)")
+
+
+def limits_from_args(args) -> ServerLimits:
+    return ServerLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerLimits)})
