@@ -152,6 +152,15 @@ def cmd_features(args) -> int:
     return 0
 
 
+def _head_command(kind: str):
+    def command(args) -> int:
+        from specdecode.train import head_cli
+
+        args.kind = kind
+        return head_cli.run(args)
+    return command
+
+
 def register(sub) -> None:
     from specdecode.models import DEFAULT_DRAFT_DIR, DEFAULT_TARGET_DIR
 
@@ -205,6 +214,32 @@ def register(sub) -> None:
     p.add_argument("--dtype", default="bfloat16", help="dtype of the target's forward")
     _threads_arg(p)
     p.set_defaults(func=cmd_features)
+
+    for kind, text in (("eagle", "an EAGLE head (one decoder layer on the target's features; EAGLE-2 trees)"),
+                       ("medusa", "Medusa heads (residual blocks on the target's last hidden state)")):
+        p = stages.add_parser(kind, help=f"train {text}")
+        p.add_argument("--model", required=True, help="target checkpoint")
+        p.add_argument("--data", default="sharegpt", help="`sharegpt` or a .json/.jsonl file of conversations")
+        p.add_argument("--out", type=Path, required=True, help="speculator directory to write")
+        p.add_argument("--features", type=Path, default=Path("runs/features"),
+                       help="feature cache (built here when missing; shared by eagle and medusa)")
+        p.add_argument("--run-dir", type=Path, default=Path(f"runs/{kind}"), help="checkpoints and the loss log")
+        p.add_argument("--resume", action="store_true", help="continue from the run folder's checkpoint")
+        p.add_argument("--max-tokens", type=int, default=2_000_000, help="training tokens in the feature cache")
+        p.add_argument("--heldout-tokens", type=int, default=65536, help="held-out tokens for the card's figures")
+        p.add_argument("--seq-len", type=int, default=1024, help="conversations are cut at this many tokens")
+        p.add_argument("--feature-dtype", default="bfloat16", help="dtype of the target's forward for features")
+        p.add_argument("--draft-vocab", type=int, default=16384, help="tokens the head can propose")
+        p.add_argument("--steps", type=int, default=2000)
+        p.add_argument("--batch-tokens", type=int, default=4096, help="tokens per optimizer step")
+        p.add_argument("--lr", type=float, default=5e-4)
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--unroll", type=int, default=3, help="eagle: training-time-test steps")
+        p.add_argument("--num-heads", type=int, default=4, help="medusa: heads")
+        p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True,
+                       help="bfloat16 autocast (this CPU's bf16 dot products); --no-bf16 for float32")
+        _threads_arg(p)
+        p.set_defaults(func=_head_command(kind))
 
     p = sub.add_parser("eval", help="held-out loss of a target and how well a draft predicts it")
     p.add_argument("--target", type=Path, default=DEFAULT_TARGET_DIR)

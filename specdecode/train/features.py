@@ -146,8 +146,13 @@ def extract(target, examples: list[Example], out_dir: Path, shard_tokens: int = 
             folder = out_dir / f"shard-{i:05d}"
             group_tokens = sum(len(ex.ids) for ex in group)
             if (folder / "meta.json").is_file():
-                bar.update(group_tokens)
-                continue
+                done = json.loads((folder / "meta.json").read_text())
+                if done["sequences"] == len(group) and done["tokens"] == group_tokens:
+                    bar.update(group_tokens)
+                    continue
+                import shutil  # a shard of an earlier run with another token budget: compute it again
+
+                shutil.rmtree(folder)
             # Within a shard, similar lengths share a batch (less padding); the shard keeps that order.
             ordered = sorted(group, key=lambda ex: len(ex.ids))
             outputs = []
@@ -156,3 +161,65 @@ def extract(target, examples: list[Example], out_dir: Path, shard_tokens: int = 
                 bar.update(sum(len(ex.ids) for ex in batch))
             _write_shard(folder, ordered, outputs, hidden, top_k)
     return total
+
+
+@dataclasses.dataclass
+class FeatureBatch:
+    """Right-padded sequences from the cache. B rows, T = the longest."""
+
+    tokens: torch.Tensor  # [B, T] long
+    valid: torch.Tensor  # [B, T] bool: not padding
+    is_answer: torch.Tensor  # [B, T] bool
+    features: torch.Tensor  # [B, T, D] bfloat16
+    topk_ids: torch.Tensor  # [B, T, K] long
+    topk_probs: torch.Tensor  # [B, T, K] float32
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.valid.sum())
+
+
+def sample_batch(shards: list[Shard], batch_tokens: int, seed: int, step: int, max_len: int | None = None
+                 ) -> FeatureBatch:
+    """Random sequences (a function of seed and step only) until about batch_tokens tokens; each is cut to a
+    random window of max_len tokens when longer."""
+    rng = np.random.default_rng([seed, step])
+    sizes = np.array([len(s) for s in shards])
+    cumulative = np.cumsum(sizes)
+    picked, total = [], 0
+    while total < batch_tokens:
+        i = int(rng.integers(cumulative[-1]))
+        shard = int(np.searchsorted(cumulative, i, side="right"))
+        seq = shards[shard].sequence(i - (int(cumulative[shard - 1]) if shard else 0))
+        n = len(seq["tokens"])
+        if max_len is not None and n > max_len:
+            start = int(rng.integers(n - max_len + 1))
+            seq = {k: v[start:start + max_len] for k, v in seq.items()}
+        picked.append(seq)
+        total += len(seq["tokens"])
+    T = max(len(s["tokens"]) for s in picked)
+
+    def stack(key, fill=0):
+        first = picked[0][key]
+        out = torch.full((len(picked), T, *first.shape[1:]), fill, dtype=first.dtype)
+        for row, s in enumerate(picked):
+            out[row, :len(s[key])] = s[key]
+        return out
+
+    valid = torch.zeros(len(picked), T, dtype=torch.bool)
+    for row, s in enumerate(picked):
+        valid[row, :len(s["tokens"])] = True
+    return FeatureBatch(stack("tokens"), valid, stack("is_answer", False), stack("features"), stack("topk_ids"),
+                        stack("topk_probs"))
+
+
+def draft_vocabulary(shards: list[Shard], size: int, always: list[int]) -> torch.Tensor:
+    """The `size` tokens the target most often predicts (its greedy next token) in the cached answers, plus
+    `always` (e.g. EOS), sorted: draft id -> target id."""
+    counts = np.zeros(2**16, dtype=np.int64)
+    for shard in shards:
+        greedy = np.asarray(shard.topk_ids[:, 0])[np.asarray(shard.is_answer)]
+        counts += np.bincount(greedy, minlength=2**16)
+    counts[list(always)] = counts.max() + 1
+    top = np.argsort(-counts, kind="stable")[:size]
+    return torch.from_numpy(np.sort(top)).long()

@@ -86,13 +86,23 @@ def save_checkpoint(run_dir: Path, model, optimizer, state: dict) -> None:
     tmp.replace(path)  # atomic: an interruption never leaves a half-written checkpoint
 
 
-LossFn = Callable[[torch.nn.Module, torch.Tensor], tuple[torch.Tensor, dict]]
-"""loss_fn(model, batch [B, T+1]) -> (loss to minimise, extra floats to log)."""
+LossFn = Callable[[torch.nn.Module, object], tuple[torch.Tensor, dict]]
+"""loss_fn(model, batch) -> (loss to minimise, extra floats to log; "tokens" = tokens in the batch)."""
 
 
-def train(model: torch.nn.Module, loss_fn: LossFn, tokens: np.ndarray, cfg: TrainConfig, run_dir: Path,
-          resume: bool = False, desc: str = "train") -> dict:
-    """Run (or finish) a training stage; return its summary (steps, tokens seen, wall time, last losses)."""
+def train(model: torch.nn.Module, loss_fn: LossFn, tokens: "np.ndarray | Callable[[int], object]",
+          cfg: TrainConfig, run_dir: Path, resume: bool = False, desc: str = "train") -> dict:
+    """Run (or finish) a training stage; return its summary (steps, tokens seen, wall time, last losses).
+
+    tokens: a token array (batches are random windows of it, [B, T+1]) or batch_at(step) -> batch, which must
+    be a function of the step only, so that resuming sees the same batches."""
+    if isinstance(tokens, np.ndarray):
+        corpus = tokens
+
+        def batch_at(step):
+            return torch.from_numpy(sample_windows(corpus, cfg.batch_size, cfg.seq_len, cfg.seed, step))
+    else:
+        batch_at = tokens
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     optimizer = make_optimizer(model, cfg)
@@ -122,14 +132,14 @@ def train(model: torch.nn.Module, loss_fn: LossFn, tokens: np.ndarray, cfg: Trai
             lr = cfg.lr_at(step)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            batch = torch.from_numpy(sample_windows(tokens, cfg.batch_size, cfg.seq_len, cfg.seed, step))
-            loss, extra = loss_fn(model, batch)
+            loss, extra = loss_fn(model, batch_at(step))
+            batch_tokens = extra.pop("tokens", cfg.batch_size * cfg.seq_len)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             optimizer.step()
             state["step"] = step + 1
-            state["tokens_seen"] += cfg.batch_size * cfg.seq_len
+            state["tokens_seen"] += int(batch_tokens)
             state["wall_time_s"] = wall_before + time.time() - started
             recent.append(loss.item())
             bar.update(1)

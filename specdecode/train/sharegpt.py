@@ -115,14 +115,16 @@ def split(conversations: list[Conversation], fraction: float = HELDOUT_FRACTION
 def render_tokens(conversation: Conversation, tokenizer, max_len: int) -> tuple[list[int], list[bool]]:
     """Token ids of the conversation in the model's chat template, cut at max_len, and for each token whether
     it belongs to an assistant answer (the positions a speculator is trained to predict)."""
-    ids, is_answer = [], []
+    # The tokenizer's BOS (if it adds one) once at the start, as when the engine encodes the whole text.
+    ids = tokenizer.encode("")
+    is_answer = [False] * len(ids)
     for i in range(len(conversation.messages)):
         text = tokenizer.apply_chat_template(conversation.messages[:i + 1], add_generation_prompt=False)
         prefix = tokenizer.apply_chat_template(conversation.messages[:i], add_generation_prompt=False) if i else ""
         if not text.startswith(prefix):
             raise ConfigError("the chat template does not render conversations incrementally; "
                               "ShareGPT training needs a template whose turns are appended one after another")
-        piece = tokenizer.encode(text[len(prefix):])
+        piece = tokenizer.encode(text[len(prefix):], add_special_tokens=False)
         ids += piece
         is_answer += [conversation.messages[i]["role"] == "assistant"] * len(piece)
         if len(ids) >= max_len:

@@ -78,3 +78,15 @@ def build_feature_cache(target, tokenizer, data_path: Path, out_dir: Path, max_t
 def set_threads(threads: int | None) -> None:
     if threads:
         torch.set_num_threads(threads)
+
+
+def heldout_examples(tokenizer, data_path: Path, max_tokens: int, seq_len: int) -> list[features.Example]:
+    _, heldout = sharegpt.split(sharegpt.load_conversations(data_path))
+    return training_examples(heldout, tokenizer, max_tokens, seq_len)
+
+
+def target_to_draft_map(draft_to_target: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[vocab_size]: the draft id of each target token, -1 for tokens outside the draft vocabulary."""
+    mapping = torch.full((vocab_size,), -1, dtype=torch.long)
+    mapping[draft_to_target] = torch.arange(len(draft_to_target))
+    return mapping

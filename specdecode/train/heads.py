@@ -1,0 +1,135 @@
+"""Training EAGLE and Medusa heads on a frozen target's cached features.
+
+Both learn the target's next-token distribution (soft cross-entropy on its cached top-k probabilities, over
+the draft vocabulary): what decides acceptance is agreeing with the target, not with the data's text.
+
+EAGLE is trained with its own predictions fed back (training-time test, as in EAGLE-3): unroll step s takes
+(token_{t+s}, the feature predicted by step s-1) and predicts feature_{t+s}, attending to the real-feature
+entries of positions <= t and to its own earlier unroll steps at t, exactly what drafting at depth s sees.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from specdecode.spec.heads import EagleHead, MedusaHeads
+from specdecode.train.features import FeatureBatch
+
+
+@dataclasses.dataclass
+class HeadLossConfig:
+    """How the head losses are weighed."""
+
+    unroll: int = 3
+    """EAGLE: training-time-test steps (1 = EAGLE-1: real features only)."""
+    step_decay: float = 0.8
+    """EAGLE: weight of unroll step s is step_decay ** (s - 1)."""
+    feature_weight: float = 0.5
+    """EAGLE: weight of the smooth-L1 loss between predicted and real (normed) features."""
+    noise: float = 0.05
+    """EAGLE: uniform noise on the real input features, as a fraction of their RMS."""
+
+
+def soft_cross_entropy(logits: torch.Tensor, topk_draft: torch.Tensor, topk_probs: torch.Tensor) -> torch.Tensor:
+    """-sum_k p_k log q(token_k) per position. logits [N, Vd]; topk_draft [N, K] draft ids, -1 = not in the
+    draft vocabulary (skipped); topk_probs [N, K] the target's probabilities."""
+    logq = torch.log_softmax(logits.float(), dim=-1)
+    known = topk_draft >= 0
+    picked = logq.gather(1, topk_draft.clamp(min=0))
+    return -(topk_probs * picked * known).sum(-1)
+
+
+def _shift(t: torch.Tensor, s: int) -> torch.Tensor:
+    """t[:, i + s] at index i ([B, T, ...]); the last s positions are zero/False."""
+    out = torch.zeros_like(t)
+    out[:, :-s] = t[:, s:]
+    return out
+
+
+class _UnrolledContext:
+    """Stands in for the decoder's cache context during an unrolled step: keeps the keys/values of every step
+    so far (the first from real features) and lets query t see step-1 keys <= t and, of every later step, only
+    its own position t."""
+
+    def __init__(self, T: int):
+        self.causal = torch.ones(T, T, dtype=torch.bool).tril()
+        self.eye = torch.eye(T, dtype=torch.bool)
+        self.keys, self.values = [], []
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [B, heads, T, hd], k/v [B, kv_heads, T, hd] of this step -> attention output [B, heads, T, hd]."""
+        self.keys.append(k)
+        self.values.append(v)
+        mask = torch.cat([self.causal] + [self.eye] * (len(self.keys) - 1), dim=1)  # [T, s * T]
+        return F.scaled_dot_product_attention(q, torch.cat(self.keys, dim=2), torch.cat(self.values, dim=2),
+                                              attn_mask=mask, enable_gqa=True)
+
+
+@dataclasses.dataclass
+class StepOutput:
+    """One unroll step (eagle) or head (medusa), at the N selected positions (answer tokens)."""
+
+    logits: torch.Tensor  # [N, Vd]
+    topk_draft: torch.Tensor  # [N, K]: the target's top-k tokens as draft ids (-1 = outside the draft vocabulary)
+    topk_probs: torch.Tensor  # [N, K]
+    predicted: torch.Tensor | None = None  # [N, D] eagle: predicted feature, normed
+    real: torch.Tensor | None = None  # [N, D] eagle: the target's feature, normed
+
+
+def eagle_unroll(head: EagleHead, batch: FeatureBatch, target_to_draft: torch.Tensor, cfg: HeadLossConfig,
+                 generator: torch.Generator | None = None):
+    """Yield a StepOutput per unroll step s = 1..cfg.unroll (noise only when a generator is given)."""
+    layer = head.decoder.model.layers[0]
+    norm = head.decoder.model.norm
+    B, T = batch.tokens.shape
+    real = batch.features.float()  # [B, T, D]
+    feature_in = real
+    if generator is not None and cfg.noise > 0:
+        scale = cfg.noise * real.pow(2).mean(-1, keepdim=True).sqrt()
+        feature_in = real + scale * (torch.rand(real.shape, generator=generator) * 2 - 1)
+    real_normed = norm(real)
+    topk_draft = target_to_draft[batch.topk_ids]  # [B, T, K]
+    ctx = _UnrolledContext(T)
+    for s in range(1, cfg.unroll + 1):
+        # Index t of this step reads token_{t+s} and the feature of position t+s-1, and predicts position t+s.
+        x = head.fuse(_shift(batch.tokens, s), feature_in)  # [B, T, D]
+        cos, sin = head.decoder.rotary((torch.arange(T) + s - 1).expand(B, T))
+        out = layer(x.reshape(B * T, -1), cos, sin, ctx).view(B, T, -1)  # predicted feature_{t+s}
+        selected = _shift(batch.valid & batch.is_answer, s)  # [B, T]
+        predicted = norm(out)[selected]  # [N, D]
+        yield StepOutput(head.decoder.lm_head(predicted), _shift(topk_draft, s)[selected],
+                         _shift(batch.topk_probs, s)[selected], predicted, _shift(real_normed, s)[selected])
+        feature_in = out
+
+
+def eagle_loss(head: EagleHead, batch: FeatureBatch, target_to_draft: torch.Tensor, cfg: HeadLossConfig,
+               generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict]:
+    total, extra = 0.0, {"tokens": batch.num_tokens}
+    for s, out in enumerate(eagle_unroll(head, batch, target_to_draft, cfg, generator), start=1):
+        cls = soft_cross_entropy(out.logits, out.topk_draft, out.topk_probs).mean()
+        reg = F.smooth_l1_loss(out.predicted, out.real)
+        total = total + cfg.step_decay ** (s - 1) * (cls + cfg.feature_weight * reg)
+        extra[f"acc{s}"] = (out.logits.argmax(-1) == out.topk_draft[:, 0]).float().mean().detach()
+        extra[f"cls{s}"] = cls.detach()
+    return total, extra
+
+
+def medusa_outputs(heads: MedusaHeads, batch: FeatureBatch, target_to_draft: torch.Tensor, norm):
+    """Yield a StepOutput per head: head i at position t learns the target's distribution at t + 1 + i."""
+    hidden = norm(batch.features.float())  # [B, T, D]
+    topk_draft = target_to_draft[batch.topk_ids]
+    for i, block in enumerate(heads.blocks):
+        shift = 1 + i
+        selected = (batch.valid & batch.is_answer)[:, shift:]  # [B, T - shift]
+        yield StepOutput(heads.lm_head(block(hidden[:, :-shift][selected])), topk_draft[:, shift:][selected],
+                         batch.topk_probs[:, shift:][selected])
+
+
+def medusa_loss(heads: MedusaHeads, batch: FeatureBatch, target_to_draft: torch.Tensor, norm) -> tuple[torch.Tensor, dict]:
+    total, extra = 0.0, {"tokens": batch.num_tokens}
+    for i, out in enumerate(medusa_outputs(heads, batch, target_to_draft, norm), start=1):
+        total = total + soft_cross_entropy(out.logits, out.topk_draft, out.topk_probs).mean()
+        extra[f"acc{i}"] = (out.logits.argmax(-1) == out.topk_draft[:, 0]).float().mean().detach()
+    return total / len(heads.blocks), extra

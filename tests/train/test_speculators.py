@@ -1,0 +1,175 @@
+"""Speculator training: ShareGPT parsing and split, the feature cache, and the EAGLE training forward against
+the inference path it must imitate."""
+import json
+
+import pytest
+import torch
+
+from specdecode.errors import ConfigError
+from specdecode.model.loading import load_model
+from specdecode.model.tokenizer import Tokenizer
+from specdecode.spec.heads import EagleHead, HeadConfig, MedusaHeads, load_head, save_head
+from specdecode.train import features, sharegpt, speculators
+from specdecode.train.heads import HeadLossConfig, eagle_loss, eagle_unroll, medusa_loss
+
+RECORDS = [
+    {"id": "a_0", "conversations": [{"from": "human", "value": "def add(a, b):"},
+                                    {"from": "gpt", "value": "return a + b"}]},
+    {"id": "a_1", "conversations": [{"from": "gpt", "value": "continued"}, {"from": "human", "value": "for i"},
+                                    {"from": "gpt", "value": "in range(10):\n    print(i * i)"}]},
+    {"id": "b_0", "conversations": [{"from": "human", "value": "only a question"}]},
+    {"id": "c_0", "conversations": [{"from": "robot", "value": "x"}, {"from": "gpt", "value": "y"}]},
+]
+
+
+def write_truncated(path, records):
+    text = json.dumps(records, indent=1)
+    path.write_text(text[:-40])  # cut inside the last record, as the wheel's file is
+    return path
+
+
+def test_truncated_sharegpt_keeps_complete_records(tmp_path):
+    path = write_truncated(tmp_path / "sg.json", RECORDS + [{"id": "z_0", "conversations": [
+        {"from": "human", "value": "lost " * 20}, {"from": "gpt", "value": "lost"}]}])
+    convs = sharegpt.load_conversations(path)
+    # b_0 has no answer, c_0 an unknown speaker, z_0 is cut off; a_1's leading answer is dropped.
+    assert [c.id for c in convs] == ["a_0", "a_1"]
+    assert convs[1].messages[0] == {"role": "user", "content": "for i"}
+    assert {c.base_id for c in convs} == {"a"}
+
+
+def test_jsonl_and_errors(tmp_path):
+    path = tmp_path / "c.jsonl"
+    path.write_text(json.dumps({"id": "m", "messages": [{"role": "user", "content": "hi"},
+                                                        {"role": "assistant", "content": "hello"}]}) + "\n")
+    assert sharegpt.load_conversations(path)[0].messages[1]["content"] == "hello"
+    path.write_text("{not json\n")
+    with pytest.raises(ConfigError, match="c.jsonl:1"):
+        sharegpt.load_conversations(path)
+    with pytest.raises(ConfigError, match="does not exist"):
+        sharegpt.load_conversations(tmp_path / "missing.json")
+
+
+def test_split_is_by_conversation_and_stable():
+    convs = [sharegpt.Conversation(f"id{i}_{part}", []) for i in range(400) for part in range(2)]
+    train, held = sharegpt.split(convs, fraction=0.1)
+    assert {c.base_id for c in train}.isdisjoint({c.base_id for c in held})
+    assert 10 < len({c.base_id for c in held}) < 80
+    assert sharegpt.split(list(reversed(convs)), fraction=0.1)[1][::-1] == held
+
+
+def test_rendered_tokens_mark_answers(tiny_models):
+    tok = Tokenizer(tiny_models["target"])
+    conv = sharegpt.Conversation("a_0", [{"role": "user", "content": "def add(a, b):"},
+                                         {"role": "assistant", "content": "return a + b"}])
+    ids, is_answer = sharegpt.render_tokens(conv, tok, 512)
+    whole = tok.apply_chat_template(conv.messages, add_generation_prompt=False)
+    assert ids == tok.encode(whole)  # what the engine feeds the target for the same conversation
+    answer = tok.decode([i for i, a in zip(ids, is_answer) if a], skip_special_tokens=False)
+    assert "return a + b" in answer and "def add" not in answer
+    assert sharegpt.render_tokens(conv, tok, 5)[0] == ids[:5]
+
+
+@pytest.fixture(scope="module")
+def cache(tiny_models, tmp_path_factory):
+    target = load_model(tiny_models["target"], dtype="float32", device="cpu")
+    tok = Tokenizer(tiny_models["target"])
+    torch.manual_seed(0)
+    examples = [features.Example(ids := tok.encode(text) * 3, [i % 3 != 0 for i in range(len(ids))])
+                for text in ("def add(a, b):\n    return a + b\n", "for i in range(10):\n    print(i)\n",
+                             "import os\nimport sys\n")]
+    folder = tmp_path_factory.mktemp("features")
+    features.extract(target, examples, folder, shard_tokens=40, max_batch_tokens=64)
+    return target, examples, folder
+
+
+def test_feature_cache_matches_the_target(cache):
+    target, examples, folder = cache
+    shards = features.open_cache(folder)
+    assert len(shards) >= 2  # shard_tokens=40 splits the three examples
+    seqs = [shard.sequence(s) for shard in shards for s in range(len(shard))]
+    assert sorted(s["tokens"].tolist() for s in seqs) == sorted(ex.ids for ex in examples)
+    seq = seqs[0]
+    out = target(seq["tokens"][None], hidden_layers=(target.config.num_hidden_layers - 1,))
+    feature = out.layer_hidden[target.config.num_hidden_layers - 1][0]
+    torch.testing.assert_close(seq["features"].float(), feature, atol=0.05, rtol=0.02)  # stored in bf16
+    probs = torch.softmax(out.logits[0], -1)
+    assert torch.equal(seq["topk_ids"][:, 0], probs.argmax(-1))
+    torch.testing.assert_close(seq["topk_probs"][:, 0], probs.max(-1).values, atol=2e-3, rtol=2e-3)
+    # An interrupted run resumes: shards on disk are kept, a missing one is recomputed.
+    before = (folder / "shard-00000" / "features.bin").stat().st_mtime_ns
+    import shutil
+    shutil.rmtree(folder / "shard-00001")
+    features.extract(target, examples, folder, shard_tokens=40, max_batch_tokens=64)
+    assert (folder / "shard-00001" / "meta.json").is_file()
+    assert (folder / "shard-00000" / "features.bin").stat().st_mtime_ns == before
+
+
+def test_eagle_unroll_equals_cached_drafting(cache):
+    """Unroll step s at index t must compute what the head computes when drafting depth s with its KV cache:
+    entries (token_{j+1}, feature_j) for j <= t, then the drafted entries, each attending to those."""
+    target, examples, folder = cache
+    shards = features.open_cache(folder)
+    batch = features.sample_batch(shards, 1, seed=0, step=0)
+    d2t = torch.arange(target.config.vocab_size)
+    torch.manual_seed(1)
+    head = EagleHead(target, d2t).requires_grad_(False)
+    for p in head.decoder.model.layers.parameters():
+        p.normal_(0, 0.1)
+    t2d = speculators.target_to_draft_map(d2t, target.config.vocab_size)
+    batch.is_answer[:] = True
+    row, t = 0, 5
+    assert batch.tokens.shape[0] == 1
+    steps = list(eagle_unroll(head, batch, t2d, HeadLossConfig(unroll=3)))
+    n_valid = int(batch.valid[row].sum())
+    tokens, feats = batch.tokens[row], batch.features[row].float()
+
+    cache_ = head.decoder.make_cache(1, 64)
+    h, logits = head(tokens[1:t + 2][None], feats[:t + 1][None], cache=cache_)
+    cache_.advance(torch.tensor([0]), t + 1)
+    drafted = [logits[0, -1]]
+    feature = h[:, -1:]
+    for depth in (2, 3):
+        h, logits = head(tokens[t + depth:t + depth + 1][None], feature, cache=cache_)
+        cache_.advance(torch.tensor([0]), 1)
+        drafted.append(logits[0, -1])
+        feature = h
+    assert t < n_valid - 3
+    for depth, out in enumerate(steps, start=1):
+        # One row, every position selected: index t of each step is the t-th selected position.
+        torch.testing.assert_close(out.logits[t], drafted[depth - 1], atol=1e-4, rtol=1e-4)
+
+
+def test_head_losses_train_and_round_trip(cache, tmp_path):
+    target, examples, folder = cache
+    shards = features.open_cache(folder)
+    d2t = features.draft_vocabulary(shards, 40, always=[1])
+    assert 1 in d2t.tolist() and len(d2t) == 40
+    t2d = speculators.target_to_draft_map(d2t, target.config.vocab_size)
+    target.requires_grad_(False)
+    for kind in ("eagle", "medusa"):
+        torch.manual_seed(0)
+        head = EagleHead(target, d2t) if kind == "eagle" else MedusaHeads(target, d2t, 2)
+        params = [p for p in head.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=3e-3)
+        losses = []
+        for step in range(30):
+            batch = features.sample_batch(shards, 64, seed=0, step=step)
+            if kind == "eagle":
+                loss, _ = eagle_loss(head, batch, t2d, HeadLossConfig(unroll=2), torch.Generator().manual_seed(step))
+            else:
+                loss, _ = medusa_loss(head, batch, t2d, target.model.norm)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        assert sum(losses[-5:]) < 0.8 * sum(losses[:5]), (kind, losses)
+        digest = speculators.weights_digest(target)
+        save_head(head, HeadConfig(kind, digest, len(d2t), num_heads=2 if kind == "medusa" else 1),
+                  tmp_path / kind, "card")
+        loaded = load_head(tmp_path / kind, target, digest)
+        trained = {k: v.to(torch.bfloat16) for k, v in head.trainable_state().items()}
+        for name, value in loaded.trainable_state().items():
+            torch.testing.assert_close(value, trained[name].float(), atol=0, rtol=0)
+        with pytest.raises(Exception, match="other target weights"):
+            load_head(tmp_path / kind, target, "0" * 64)
