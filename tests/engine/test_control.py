@@ -12,11 +12,12 @@ BATCHES = (1, 2, 4, 8, 16, 32)
 MAX_K = 5
 
 
-def synthetic_costs(memory_s=0.010, per_token_s=0.0005, draft_s=0.001, draft_per_seq_s=0.00002) -> CostModel:
+def synthetic_costs(memory_s=0.010, per_token_s=0.0005, draft_s=0.001, draft_per_seq_s=0.00002,
+                    cls=CostModel) -> CostModel:
     """A roofline-shaped target: a pass costs max(weight reads, compute), compute growing with tokens verified."""
     target = {k: {b: max(memory_s, per_token_s * b * (1 + k)) for b in BATCHES} for k in range(MAX_K + 1)}
     draft = {b: draft_s + draft_per_seq_s * b for b in BATCHES}
-    return CostModel(target, draft, max_batch=32)
+    return cls(target, draft, max_batch=32)
 
 
 def seqs_of(n, use_speculation=True):
@@ -185,6 +186,13 @@ def test_measure_costs_on_a_real_model(tiny_models):
     assert costs.draft.xs == [1, 2, 3] and all(t > 0 for t in costs.draft.ys)
 
 
+class FrozenCosts(CostModel):
+    """Costs the test decides: measurements do not rescale them (so the choice of K is deterministic)."""
+
+    def observe(self, *args, **kwargs) -> None:
+        pass
+
+
 def test_adaptive_llm_is_lossless_and_respects_disable_by_batch_size(tiny_models):
     from specdecode.engine.llm import LLM
 
@@ -194,11 +202,65 @@ def test_adaptive_llm_is_lossless_and_respects_disable_by_batch_size(tiny_models
     config = {"model": str(tiny_models["draft"]), "num_speculative_tokens": 3, "adaptive": True}
     adaptive = LLM(tiny_models["target"], dtype="float32", speculative_config=config, max_num_seqs=4)
     assert adaptive.controller is not None
+    # The tiny draft costs as much as its target, so measured costs would (rightly) say never to draft; with costs
+    # where drafting pays, the adaptive path must draft, and stay exact.
+    adaptive.controller.costs = synthetic_costs(cls=FrozenCosts)
     outputs = adaptive.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in plain]
+    stats = adaptive.total_stats
+    assert stats.draft_tokens > 0 and stats.accepted_tokens > 0, "the adaptive engine must have speculated"
 
     disabled = LLM(tiny_models["target"], dtype="float32",
                    speculative_config={**config, "disable_by_batch_size": 3}, max_num_seqs=4)
+    disabled.controller.costs = synthetic_costs(cls=FrozenCosts)
     outputs = disabled.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in plain]
     assert disabled.total_stats.draft_tokens == 0
+
+
+def simulated_throughput(costs: CostModel, batch: int, rates: list[float], k: int | None, steps: int = 2000,
+                         seed: int = 0) -> float:
+    """Tokens per modelled second of `steps` steps over `batch` sequences whose drafts are accepted level by level
+    with probabilities `rates`; k None = the adaptive controller chooses each step, else always k."""
+    controller = SpecController(costs, MAX_K)
+    controller.fixed_k = k
+    seqs = seqs_of(batch)
+    rng = random.Random(seed)
+    tokens = seconds = 0.0
+    for _ in range(steps):
+        chosen = controller.choose(seqs)
+        accepted = []
+        for _ in seqs:
+            n = 0
+            while n < chosen and rng.random() < rates[n]:
+                n += 1
+            accepted.append(n)
+        step_time = costs.step_time(batch, chosen)
+        report = StepReport(width=1 + chosen, draft_time=costs.draft_time(batch, chosen),
+                            verify_time=costs.target_time(batch, chosen), draft_lens=[chosen] * batch,
+                            accepted_lens=accepted)
+        controller.observe(seqs, chosen, report, wall_time=step_time)
+        tokens += batch + sum(accepted)
+        seconds += step_time
+    return tokens / seconds
+
+
+@pytest.mark.parametrize("batch, rates, draft_s", [
+    (1, [0.0] * MAX_K, 0.001),  # a useless draft
+    (1, [0.3] * MAX_K, 0.001),
+    (1, [0.8] * MAX_K, 0.001),
+    (1, [0.95, 0.2, 0.2, 0.2, 0.2], 0.001),  # good at depth 1 only
+    (1, [0.9] * MAX_K, 0.008),  # a draft almost as costly as the target
+    (4, [0.6] * MAX_K, 0.001),
+    (32, [0.9] * MAX_K, 0.001),  # compute bound: speculation cannot pay
+])
+def test_adaptive_never_loses_to_plain_decoding(batch, rates, draft_s):
+    """On a deterministic cost model (no wall clock): the adaptive controller's throughput is at least plain
+    decoding's, less 2% for its optimistic start and the one-level probes it makes while speculation is off, and
+    within 10% of the best fixed K."""
+    costs = synthetic_costs(draft_s=draft_s)
+    adaptive = simulated_throughput(costs, batch, rates, None)
+    plain = simulated_throughput(costs, batch, rates, 0)
+    best_fixed = max(simulated_throughput(costs, batch, rates, k) for k in range(1, MAX_K + 1))
+    assert adaptive >= 0.98 * plain
+    assert adaptive >= 0.9 * max(best_fixed, plain)
