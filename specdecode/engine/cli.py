@@ -12,8 +12,8 @@ from pathlib import Path
 
 from specdecode.errors import ConfigError
 from specdecode.models.registry import (DEFAULT_MODEL, MODELS, default_speculative_config, model_name,
-                                        resolve_model)
-from specdecode.spec.config import METHODS
+                                        resolve_model, shipped_speculator)
+from specdecode.spec.config import METHODS, TREE_METHODS
 
 
 def add_model_args(p) -> None:
@@ -27,8 +27,11 @@ def add_model_args(p) -> None:
                    help="CPU threads for torch (default: torch's choice; 1 is faster on a busy machine)")
     spec = p.add_argument_group("speculative decoding")
     spec.add_argument("--speculative-method", choices=METHODS, default=None,
-                      help="draft_model (a small model drafts) or ngram (prompt lookup)")
-    spec.add_argument("--speculative-model", type=Path, default=None, help="draft checkpoint directory or .gguf")
+                      help="draft_model (a small model drafts), ngram (prompt lookup), eagle (EAGLE-2 trees from a "
+                           "head on the target's features) or medusa (Medusa heads)")
+    spec.add_argument("--speculative-model", type=Path, default=None,
+                      help="draft checkpoint directory or .gguf (draft_model), or speculator directory (eagle, medusa; "
+                           "default: the one shipped for the named model)")
     spec.add_argument("--num-speculative-tokens", type=int, default=None, help="draft tokens per step K (default 5)")
     spec.add_argument("--num-drafts", type=int, default=None, help="draft_model: chains per step (default 1)")
     spec.add_argument("--no-speculation", action="store_true", help="plain decoding")
@@ -84,7 +87,8 @@ def speculative_config(args, default: dict | None = None) -> dict | None:
     # As in vLLM: a draft model when one is given, prompt lookup otherwise.
     default_draft = default.get("model") if default and default.get("method") == "draft_model" else None
     has_draft = args.speculative_model is not None or default_draft is not None
-    method = args.speculative_method or ("draft_model" if has_draft else "ngram")
+    method = args.speculative_method or _speculator_kind(args.speculative_model) or (
+        "draft_model" if has_draft else "ngram")
     config: dict = {"method": method}
     if method == "draft_model":
         if args.speculative_model is not None:
@@ -96,11 +100,26 @@ def speculative_config(args, default: dict | None = None) -> dict | None:
                               "checkpoint with the target's tokenizer)")
         if args.num_drafts is not None:
             config["num_drafts"] = args.num_drafts
+    elif method in TREE_METHODS and args.num_drafts is None:
+        speculator = args.speculative_model or shipped_speculator(args.model, method)
+        if speculator is not None:  # (without one, building the proposer says what to pass)
+            config["model"] = str(speculator)
     elif args.speculative_model is not None or args.num_drafts is not None:
         raise ConfigError("--speculative-model and --num-drafts apply to --speculative-method draft_model only")
     if args.num_speculative_tokens is not None:
         config["num_speculative_tokens"] = args.num_speculative_tokens
     return config
+
+
+def _speculator_kind(folder: Path | None) -> str | None:
+    """'eagle' or 'medusa' when folder is a speculator directory (its config.json names its kind), else None."""
+    import json
+
+    try:
+        kind = json.loads((folder / "config.json").read_text()).get("kind") if folder is not None else None
+    except (OSError, ValueError, AttributeError):
+        return None
+    return kind if kind in TREE_METHODS else None
 
 
 def set_threads(threads: int | None) -> None:

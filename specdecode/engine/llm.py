@@ -20,7 +20,7 @@ from specdecode.model.loading import load_model, resolve_device
 from specdecode.model.tokenizer import Tokenizer
 from specdecode.models.registry import model_name, resolve_model
 from specdecode.sampling import SamplingParams
-from specdecode.spec.config import SpeculativeConfig, build_proposer
+from specdecode.spec.config import SpeculativeConfig, build_proposer, with_shipped_speculator
 from specdecode.spec.control import SpecController, measure_costs
 
 
@@ -41,8 +41,9 @@ class LLM:
         self.max_num_seqs = max_num_seqs
         self.max_model_len = min(max_model_len or self.target.config.max_position_embeddings,
                                  self.target.config.max_position_embeddings)
-        self.spec_config = SpeculativeConfig.parse(speculative_config)
-        self.proposer = build_proposer(self.spec_config, self.target, self.tokenizer, dtype, self.device)
+        self.spec_config = SpeculativeConfig.parse(with_shipped_speculator(speculative_config, model))
+        self.proposer = build_proposer(self.spec_config, self.target, self.tokenizer, dtype, self.device,
+                                       self.model_dir)
         self.runner = StepRunner(self.target, self.proposer)
         self.controller = self.make_controller() if self.spec_config and self.spec_config.adaptive else None
         self.total_stats = SpecStats()
@@ -66,7 +67,7 @@ class LLM:
     def make_controller(self) -> SpecController:
         """An adaptive speculation controller, after timing this machine's target passes and draft forwards."""
         config = self.spec_config
-        nodes_per_level = config.num_drafts if config.method == "draft_model" else 1
+        nodes_per_level = config.nodes_per_level
         costs = measure_costs(self.target, getattr(self.proposer, "model", None), self.max_num_seqs,
                               config.num_speculative_tokens, nodes_per_level)
         return SpecController(costs, config.num_speculative_tokens, nodes_per_level)

@@ -61,6 +61,22 @@ DEFAULT_SPECULATORS: dict[str, dict | None] = {
 A shipped speculator is an entry here, e.g. {"method": "eagle", "model": "<path of its head>"}."""
 
 
+SHIPPED_SPECULATORS: dict[str, dict[str, str]] = {
+    "smollm2-135m-instruct": {},  # e.g. "eagle": "smollm2/eagle" once trained heads ship
+}
+"""Named model -> {speculative method: its speculator directory, relative to this package's folder}: what
+`--speculative-method eagle|medusa|draft_model` uses when no --speculative-model is given."""
+
+
+def shipped_speculator(model: str | Path | None, method: str) -> Path | None:
+    """The speculator directory shipped for a named model and method (None for paths and when none ships)."""
+    name = DEFAULT_MODEL if model is None else str(model)
+    if name not in MODELS or Path(name).exists():
+        return None
+    relative = SHIPPED_SPECULATORS.get(name, {}).get(method)
+    return Path(__file__).parent / relative if relative else None
+
+
 def default_speculative_config(model: str | Path | None) -> dict | None:
     """The shipped speculator of a named model (None for paths and for models without one)."""
     name = DEFAULT_MODEL if model is None else str(model)

@@ -1,12 +1,18 @@
-"""`speculative_config`: vLLM-style options, validated, and the proposer they describe."""
+"""`speculative_config`: vLLM-style options, validated, and the proposer they describe (the one registry of
+methods: adding one is a proposer file plus a builder here)."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
+import math
 from pathlib import Path
 
 from specdecode.errors import ConfigError
 
-METHODS = ("draft_model", "ngram")
+METHODS = ("draft_model", "ngram", "eagle", "medusa")
+TREE_METHODS = ("eagle", "medusa")
+"""Methods whose `model` is a speculator directory of heads that read the target's hidden states."""
 
 
 @dataclasses.dataclass
@@ -16,11 +22,17 @@ class SpeculativeConfig:
     method: str = "draft_model"
     """One of METHODS."""
     model: str | None = None
-    """Draft checkpoint directory (draft_model)."""
+    """Draft checkpoint directory (draft_model) or speculator directory (eagle, medusa; default: the one shipped
+    for the named model)."""
     num_speculative_tokens: int = 5
-    """Draft tokens per chain per step (K)."""
+    """Draft tokens per chain per step (K); eagle and medusa: the deepest tree level."""
     num_drafts: int = 1
     """draft_model: chains per step (> 1 makes a tree that branches at the root)."""
+    eagle_topk: int = 4
+    """eagle: nodes expanded per depth and children kept per expanded node (SGLang's speculative_eagle_topk)."""
+    num_tree_nodes: int | None = None
+    """eagle, medusa: draft tokens verified per step at full depth (default 4 per level); a shallower tree gets
+    a proportional share."""
     prompt_lookup_max: int = 4
     """ngram: longest n-gram matched."""
     prompt_lookup_min: int = 1
@@ -42,10 +54,31 @@ class SpeculativeConfig:
             raise ConfigError(f"adaptive must be true or false, got {self.adaptive!r}")
         if self.method == "draft_model" and not self.model:
             raise ConfigError('the draft_model method needs "model": the draft checkpoint directory')
+        for name in ("eagle_topk", "num_tree_nodes"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+    @property
+    def tree_nodes(self) -> int:
+        """eagle, medusa: the most nodes a tree has."""
+        return self.num_tree_nodes or 4 * self.num_speculative_tokens
+
+    @property
+    def nodes_per_level(self) -> int:
+        """Tree nodes verified per drafted level (what the speculation controller's costs are measured for)."""
+        if self.method == "draft_model":
+            return self.num_drafts
+        if self.method in TREE_METHODS:
+            return math.ceil(self.tree_nodes / self.num_speculative_tokens)
+        return 1
 
     @property
     def tree_size(self) -> int:
-        return self.num_speculative_tokens * (self.num_drafts if self.method == "draft_model" else 1)
+        """The most draft tokens one sequence verifies in a step."""
+        if self.method in TREE_METHODS:
+            return self.nodes_per_level * self.num_speculative_tokens
+        return self.num_speculative_tokens * self.nodes_per_level
 
     @classmethod
     def parse(cls, raw: "dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":
@@ -66,15 +99,38 @@ class SpeculativeConfig:
         return cls(**raw)
 
 
-def build_proposer(config: SpeculativeConfig | None, target, target_tokenizer, dtype, device):
-    """The proposer for a config (None = plain decoding); checks a draft model against the target first."""
+def with_shipped_speculator(raw: "dict | SpeculativeConfig | None", model: str | Path | None):
+    """Fill in the speculator shipped for a named model when an eagle/medusa/draft_model config names none (kept
+    as is when there is none: build_proposer then says what to pass)."""
+    from specdecode.models.registry import shipped_speculator
+
+    method = raw.get("method") if isinstance(raw, dict) else getattr(raw, "method", None)
+    given = raw.get("model") if isinstance(raw, dict) else getattr(raw, "model", None)
+    if raw is None or given or method not in TREE_METHODS + ("draft_model",):
+        return raw
+    path = shipped_speculator(model, method)
+    if path is None:
+        return raw
+    return {**raw, "model": str(path)} if isinstance(raw, dict) else dataclasses.replace(raw, model=str(path))
+
+
+def build_proposer(config: SpeculativeConfig | None, target, target_tokenizer, dtype, device,
+                   target_dir: Path | None = None):
+    """The proposer for a config (None = plain decoding); checks a draft model or speculator against the target
+    first. target_dir: the target's checkpoint (to hash its float32 weights when it was loaded in another dtype)."""
     if config is None:
         return None
-    if config.method == "ngram":
-        from specdecode.spec.proposers.ngram import NgramConfig, NgramProposer
+    return BUILDERS[config.method](config, target, target_tokenizer, dtype, device, target_dir)
 
-        return NgramProposer(NgramConfig(config.num_speculative_tokens, config.prompt_lookup_max,
-                                         config.prompt_lookup_min))
+
+def _ngram(config: SpeculativeConfig, *_):
+    from specdecode.spec.proposers.ngram import NgramConfig, NgramProposer
+
+    return NgramProposer(NgramConfig(config.num_speculative_tokens, config.prompt_lookup_max,
+                                     config.prompt_lookup_min))
+
+
+def _draft_model(config: SpeculativeConfig, target, target_tokenizer, dtype, device, _target_dir):
     from specdecode.model.config import ModelConfig
     from specdecode.model.loading import load_model
     from specdecode.model.tokenizer import Tokenizer
@@ -87,3 +143,69 @@ def build_proposer(config: SpeculativeConfig | None, target, target_tokenizer, d
     draft = load_model(draft_dir, dtype=dtype, device=device)
     return DraftModelProposer(DraftModelConfig(str(draft_dir), config.num_speculative_tokens, config.num_drafts),
                               draft)
+
+
+def _load_head(config: SpeculativeConfig, target, target_dir: Path | None, kind: str):
+    from specdecode.spec.heads import HeadConfig, load_head
+
+    if not config.model:
+        raise ConfigError(f'the {kind} method needs "model" (--speculative-model): a speculator directory written '
+                          f"by `specdecode train {kind}`; none is shipped for this target")
+    folder = Path(config.model)
+    found = HeadConfig.read(folder).kind
+    if found != kind:
+        raise ConfigError(f"{folder} holds a speculator of kind {found!r}, not {kind!r}: use --speculative-method "
+                          f"{found} (method {found!r})")
+    return load_head(folder, target, target_digest(target, target_dir))
+
+
+def _eagle(config: SpeculativeConfig, target, _tokenizer, _dtype, _device, target_dir):
+    from specdecode.spec.proposers.eagle import EagleConfig, EagleProposer
+
+    head = _load_head(config, target, target_dir, "eagle")
+    eagle = EagleConfig(str(config.model), config.num_speculative_tokens, config.eagle_topk, config.nodes_per_level)
+    return EagleProposer(eagle, head, target.config.num_hidden_layers)
+
+
+def _medusa(config: SpeculativeConfig, target, _tokenizer, _dtype, _device, target_dir):
+    from specdecode.spec.proposers.medusa import MedusaConfig, MedusaProposer, read_accuracy
+
+    heads = _load_head(config, target, target_dir, "medusa")
+    medusa = MedusaConfig(str(config.model), config.num_speculative_tokens, config.tree_nodes)
+    return MedusaProposer(medusa, heads, read_accuracy(Path(config.model), len(heads.blocks)))
+
+
+BUILDERS = {"draft_model": _draft_model, "ngram": _ngram, "eagle": _eagle, "medusa": _medusa}
+"""Method name -> builder(config, target, target_tokenizer, dtype, device, target_dir) of its proposer."""
+
+
+def target_digest(target, target_dir: Path | None) -> str:
+    """The sha256 that speculators record for their target: weights_digest of its float32 weights. A target
+    loaded in float32 is hashed as it is; one loaded in another dtype is reloaded from its checkpoint in float32
+    once, and the digest is kept in the cache (keyed by the checkpoint's path, sizes and modification times)."""
+    import torch
+
+    from specdecode.train.speculators import weights_digest
+
+    if target.dtype == torch.float32 or target_dir is None:
+        return weights_digest(target)
+    from specdecode.model.loading import load_model
+    from specdecode.models.registry import cache_dir
+
+    target_dir = Path(target_dir).resolve()
+    files = sorted(target_dir.iterdir()) if target_dir.is_dir() else [target_dir]
+    signature = [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files if f.is_file()]
+    record = cache_dir() / "digests" / (hashlib.sha256(str(target_dir).encode()).hexdigest()[:32] + ".json")
+    try:
+        saved = json.loads(record.read_text())
+        if saved["signature"] == signature:
+            return saved["sha256"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    digest = weights_digest(load_model(target_dir, dtype=torch.float32, device="cpu"))
+    try:
+        record.parent.mkdir(parents=True, exist_ok=True)
+        record.write_text(json.dumps({"path": str(target_dir), "signature": signature, "sha256": digest}))
+    except OSError:
+        pass  # a read-only cache only costs the reload next time
+    return digest

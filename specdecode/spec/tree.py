@@ -59,6 +59,19 @@ def chain_parents(k: int) -> tuple[int, ...]:
     return tuple(range(-1, k - 1))
 
 
+def paths_to_parents(paths: list[tuple[int, ...]]) -> tuple[int, ...]:
+    """A static tree given as Medusa's "choices" (node i = the path of child ranks from the root, parents listed
+    before children) -> its parent array."""
+    index = {tuple(path): i for i, path in enumerate(paths)}
+    parents = []
+    for i, path in enumerate(paths):
+        parent = index.get(tuple(path[:-1]), -1) if len(path) > 1 else -1
+        if len(path) > 1 and not 0 <= parent < i:
+            raise ValueError(f"tree path {path} comes before its parent {path[:-1]} or has none")
+        parents.append(parent)
+    return tuple(parents)
+
+
 @dataclasses.dataclass
 class DraftTree:
     """The draft for one sequence."""

@@ -96,8 +96,8 @@ def test_draft_with_another_tokenizer_is_refused(tiny_models, tmp_path):
 def test_bad_speculative_config_is_refused(tiny_models):
     with pytest.raises(ConfigError, match="unknown speculative_config key"):
         LLM(str(tiny_models["target"]), dtype="float32", speculative_config={"method": "ngram", "num_spec_tokens": 3})
-    with pytest.raises(ConfigError, match="method 'medusa' is unknown"):
-        LLM(str(tiny_models["target"]), dtype="float32", speculative_config={"method": "medusa"})
+    with pytest.raises(ConfigError, match="method 'mtp' is unknown"):
+        LLM(str(tiny_models["target"]), dtype="float32", speculative_config={"method": "mtp"})
     with pytest.raises(ConfigError, match="needs \"model\""):
         LLM(str(tiny_models["target"]), dtype="float32", speculative_config={"method": "draft_model"})
 
