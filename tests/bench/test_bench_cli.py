@@ -94,4 +94,4 @@ def test_config_rejects_bad_input(tiny_models, capsys):
     with pytest.raises(ConfigError, match="needs a draft model"):
         BenchConfig(target=tiny_models["target"], draft=None)
     assert main(["bench", "--model", str(tiny_models["target"] / "missing")]) == 2
-    assert "has no config.json" in capsys.readouterr().err
+    assert "does not exist" in capsys.readouterr().err
