@@ -50,6 +50,8 @@ class StepReport:
     join_time: float = 0.0
     """Seconds spent registering sequences that drafted for the first time (their draft prefill), not in
     draft_time: a one-off cost, not a cost of drafting."""
+    draft_depths: list[int] = dataclasses.field(default_factory=list)
+    """Levels of each sequence's tree (0 = no draft)."""
 
 
 class StepRunner:
@@ -182,7 +184,8 @@ class StepRunner:
         if self.features.wanted:  # the hidden states at the root and the accepted path of each row
             self.proposer.observe_target(seqs, TargetFeatures.select(out, self.features, n_kept, kept))
         self.last_report = StepReport(width, t1 - t0, t2 - t1, [len(t) for t in trees],
-                                      [len(r.accepted) for r in results], join_time)
+                                      [len(r.accepted) for r in results], join_time,
+                                      [int(t.depths.max()) + 1 if len(t) else 0 for t in trees])
         return deltas
 
     def _verify(self, seqs: list[Sequence], trees: list[DraftTree], logits: torch.Tensor) -> list[VerifyResult]:

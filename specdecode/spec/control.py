@@ -206,7 +206,9 @@ class SpecController:
             self.global_hits = [h * 0.99 for h in self.global_hits]
             self.global_trials = [t * 0.99 for t in self.global_trials]
         decay = self.decay
-        for seq, drafted, accepted in zip(seqs, report.draft_lens, report.accepted_lens):
+        # Levels drafted per row: the trees' depths (a tree's node count need not be a multiple of its levels).
+        depths = report.draft_depths or [d // npl for d in report.draft_lens]
+        for seq, drafted, depth, accepted in zip(seqs, report.draft_lens, depths, report.accepted_lens):
             counts = self.counts.get(seq.request_id)
             if counts is None:
                 if not drafted:
@@ -219,7 +221,7 @@ class SpecController:
                 hits[j] *= decay
                 trials[j] *= decay
             if drafted:
-                levels = min(accepted + 1, drafted // npl, self.max_k)
+                levels = min(accepted + 1, depth, self.max_k)
                 for j in range(levels):
                     success = j < accepted
                     hits[j] += success

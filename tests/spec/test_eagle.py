@@ -172,3 +172,16 @@ def test_trees_branch_and_respect_budgets(vocab8_eagle):
     assert len(trees[0]) == 6 and max(trees[0].depths.tolist()) <= 1  # 2 levels: 6 nodes
     assert len(trees[1]) == 3 and max(trees[1].depths.tolist()) == 0  # 1 level: the 3 best children of the root
     assert len(set(trees[1].tokens.tolist())) == 3 and set(trees[1].tokens.tolist()) <= {0, 1, 2, 4, 5, 7}
+
+
+def test_adaptive_trees_stay_exact(one_layer):
+    """With the speculation controller choosing the depth (and so the node budget) per step from measured costs
+    and per-depth acceptance."""
+    config = {"method": "eagle", "model": str(one_layer / "copy"), "num_speculative_tokens": 3, "adaptive": True}
+    llm = LLM(str(one_layer / "target"), dtype="float32", speculative_config=config, max_num_seqs=4)
+    assert llm.controller.nodes_per_level == 4
+    plain = LLM(str(one_layer / "target"), dtype="float32", max_num_seqs=4).generate(PROMPTS, GREEDY)
+    outputs = llm.generate(PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in plain]
+    assert llm.total_stats.drafts > 0
+    assert sum(llm.controller.global_trials) > 30, "acceptance is learned per depth from the trees' steps"
