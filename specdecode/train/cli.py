@@ -141,8 +141,10 @@ def cmd_features(args) -> int:
     _set_threads(args)
     from specdecode.model.loading import load_model
     from specdecode.model.tokenizer import Tokenizer
+    from specdecode.models.registry import resolve_model
     from specdecode.train import speculators
 
+    args.model = resolve_model(args.model)
     target = load_model(args.model, dtype=args.dtype, device="cpu")
     data = speculators.build_feature_cache(target, Tokenizer(args.model), speculators.resolve_data(args.data),
                                            args.out, args.max_tokens, args.seq_len)

