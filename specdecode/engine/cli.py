@@ -12,8 +12,8 @@ from pathlib import Path
 
 from specdecode.errors import ConfigError
 from specdecode.models.registry import (DEFAULT_MODEL, MODELS, default_speculative_config, model_name,
-                                        resolve_model, shipped_speculator)
-from specdecode.spec.config import METHODS, TREE_METHODS
+                                        resolve_model)
+from specdecode.spec.config import METHODS, TREE_METHODS, with_shipped_speculator
 
 
 def add_model_args(p) -> None:
@@ -64,6 +64,7 @@ def resolve_models(args) -> tuple[Path, dict | None, str]:
     """(target checkpoint path, speculative_config, model name to show/serve) from --model and the speculative
     flags; shared by `generate`, `chat` and `serve`. A named model is fetched here on first use."""
     config = speculative_config(args, default_speculative_config(args.model))  # (flags checked before a fetch)
+    config = with_shipped_speculator(config, args.model)  # eagle/medusa without a path: the shipped heads
     return resolve_model(args.model), config, model_name(args.model)
 
 
@@ -101,9 +102,8 @@ def speculative_config(args, default: dict | None = None) -> dict | None:
         if args.num_drafts is not None:
             config["num_drafts"] = args.num_drafts
     elif method in TREE_METHODS and args.num_drafts is None:
-        speculator = args.speculative_model or shipped_speculator(args.model, method)
-        if speculator is not None:  # (without one, building the proposer says what to pass)
-            config["model"] = str(speculator)
+        if args.speculative_model is not None:  # (else resolve_models fills in the shipped speculator, if any)
+            config["model"] = str(args.speculative_model)
     elif args.speculative_model is not None or args.num_drafts is not None:
         raise ConfigError("--speculative-model and --num-drafts apply to --speculative-method draft_model only")
     if args.num_speculative_tokens is not None:
@@ -155,7 +155,8 @@ def _stream(llm, prompt: str, params, label: str | None = None, echo: bool = Tru
 
 
 def _spec_summary(stats, config: dict) -> str:
-    return (f"{config['method']}, K={config.get('num_speculative_tokens', 5)}: "
+    k = config.get("num_speculative_tokens", 5)
+    return (f"{config['method']}, {f'adaptive K<={k}' if config.get('adaptive') else f'K={k}'}: "
             f"acceptance rate {stats.acceptance_rate:.1%}, "
             f"{stats.mean_accepted_len:.2f} tokens per step")
 
@@ -166,7 +167,7 @@ def cmd_generate(args) -> int:
     set_threads(args.threads)
     params = sampling_params(args)  # (checked before a model is fetched or loaded)
     model_dir, config, _ = resolve_models(args)
-    llm = LLM(model=model_dir, dtype=args.dtype, device=args.device, speculative_config=config)
+    llm = LLM(model=model_dir, dtype=args.dtype, device=args.device, speculative_config=config, max_num_seqs=1)
     prompt = args.prompt
     if args.chat:
         prompt = llm.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])

@@ -1,5 +1,7 @@
 """EAGLE-2: greedy output identical to plain decoding, the target's features reach the head aligned, the dynamic
 tree's rerank, the speculator checks, and lossless sampling (chi-square, with a negative control)."""
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -185,3 +187,25 @@ def test_adaptive_trees_stay_exact(one_layer):
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in plain]
     assert llm.total_stats.drafts > 0
     assert sum(llm.controller.global_trials) > 30, "acceptance is learned per depth from the trees' steps"
+
+
+def test_cli_flags_name_the_speculator(one_layer, monkeypatch):
+    import argparse
+
+    from specdecode.engine.cli import add_model_args, resolve_models, speculative_config
+    from specdecode.models import registry
+
+    parser = argparse.ArgumentParser()
+    add_model_args(parser)
+    head = str(one_layer / "copy")
+    args = parser.parse_args(["--speculative-method", "eagle", "--speculative-model", head])
+    assert speculative_config(args) == {"method": "eagle", "model": head}
+    args = parser.parse_args(["--speculative-model", head, "--num-speculative-tokens", "3"])  # the kind is read
+    assert speculative_config(args) == {"method": "eagle", "model": head, "num_speculative_tokens": 3}
+    # A named model with shipped heads: the method alone picks them (resolving the model itself is not tested here).
+    monkeypatch.setitem(registry.SHIPPED_SPECULATORS, registry.DEFAULT_MODEL, {"eagle": "smollm2/eagle"})
+    monkeypatch.setattr("specdecode.engine.cli.resolve_model", lambda model: "target")
+    _, config, _ = resolve_models(parser.parse_args(["--speculative-method", "eagle"]))
+    assert config == {"method": "eagle", "model": str(Path(registry.__file__).parent / "smollm2" / "eagle")}
+    _, config, _ = resolve_models(parser.parse_args(["--speculative-method", "medusa"]))
+    assert config == {"method": "medusa"}  # none shipped: building the proposer asks for --speculative-model
