@@ -59,16 +59,22 @@ def test_speculates_when_memory_bound_and_not_when_compute_bound():
     assert chosen == sorted(chosen, reverse=True)
 
 
+def draw_accepted(rng, k: int, per_level: list[float], rows: int) -> list[int]:
+    """Draft tokens accepted in each row when k levels are drafted and level j is accepted with per_level[j]."""
+    accepted = []
+    for _ in range(rows):
+        n = 0
+        while n < k and rng.random() < per_level[n]:
+            n += 1
+        accepted.append(n)
+    return accepted
+
+
 def feed(controller, seqs, k, accept_prob, steps, rng, draft_s=0.001):
     """accept_prob: one rate for every level, or a list of per-level rates; draft_s: reported seconds per level."""
     per_level = accept_prob if isinstance(accept_prob, list) else [accept_prob] * k
     for _ in range(steps):
-        accepted = []
-        for _ in seqs:
-            n = 0
-            while n < k and rng.random() < per_level[n]:
-                n += 1
-            accepted.append(n)
+        accepted = draw_accepted(rng, k, per_level, len(seqs))
         report = StepReport(width=1 + k, draft_time=draft_s * k, verify_time=0.01, draft_lens=[k] * len(seqs),
                             accepted_lens=accepted)
         controller.observe(seqs, k, report, wall_time=0.0101 + draft_s * k)
@@ -229,12 +235,7 @@ def simulated_throughput(costs: CostModel, batch: int, rates: list[float], k: in
     tokens = seconds = 0.0
     for _ in range(steps):
         chosen = controller.choose(seqs)
-        accepted = []
-        for _ in seqs:
-            n = 0
-            while n < chosen and rng.random() < rates[n]:
-                n += 1
-            accepted.append(n)
+        accepted = draw_accepted(rng, chosen, rates, batch)
         step_time = costs.step_time(batch, chosen)
         report = StepReport(width=1 + chosen, draft_time=costs.draft_time(batch, chosen),
                             verify_time=costs.target_time(batch, chosen), draft_lens=[chosen] * batch,

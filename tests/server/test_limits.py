@@ -11,7 +11,6 @@ import pytest
 
 import specdecode.engine.step as step_module
 from specdecode.engine.llm import LLM
-from specdecode.sampling import SamplingParams
 from specdecode.server.guard import host_name
 from specdecode.server.limits import ServerLimits
 
