@@ -218,7 +218,8 @@ def register(sub) -> None:
     p.set_defaults(func=cmd_features)
 
     for kind, text in (("eagle", "an EAGLE head (one decoder layer on the target's features; EAGLE-2 trees)"),
-                       ("medusa", "Medusa heads (residual blocks on the target's last hidden state)")):
+                       ("medusa", "Medusa heads (residual blocks on the target's last hidden state)"),
+                       ("draft", "a small draft model distilled from the target's distributions (draft_model)")):
         p = stages.add_parser(kind, help=f"train {text}")
         p.add_argument("--model", required=True, help="target checkpoint")
         p.add_argument("--data", default="sharegpt", help="`sharegpt` or a .json/.jsonl file of conversations")
@@ -238,6 +239,9 @@ def register(sub) -> None:
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--unroll", type=int, default=3, help="eagle: training-time-test steps")
         p.add_argument("--num-heads", type=int, default=4, help="medusa: heads")
+        p.add_argument("--draft-hidden", type=int, default=256, help="draft: width (embedding = the target's, "
+                       "projected onto its top principal directions)")
+        p.add_argument("--draft-layers", type=int, default=2, help="draft: decoder layers")
         p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True,
                        help="bfloat16 autocast (this CPU's bf16 dot products); --no-bf16 for float32")
         _threads_arg(p)

@@ -1,5 +1,5 @@
-"""`specdecode train eagle | medusa`: the target's features (cached once) -> a head -> a speculator directory
-with its card."""
+"""`specdecode train eagle | medusa | draft`: the target's features (cached once) -> a head or a small draft
+model -> a speculator directory with its card."""
 from __future__ import annotations
 
 import json
@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 
 from specdecode.train import features, loop, speculators
-from specdecode.train.heads import HeadLossConfig, eagle_loss, eagle_unroll, medusa_loss, medusa_outputs
+from specdecode.train.heads import (HeadLossConfig, draft_loss, draft_outputs, eagle_loss, eagle_unroll, medusa_loss,
+                                    medusa_outputs)
 
 RANKS = (1, 2, 3, 5, 10)
 """Ranks at which held-out top-r accuracy is reported."""
@@ -40,6 +41,8 @@ def _loss_fn(kind: str, target, t2d: torch.Tensor, loss_cfg: HeadLossConfig, bf1
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             if kind == "eagle":
                 return eagle_loss(head, batch, t2d, loss_cfg, generator if head.training else None)
+            if kind == "draft":
+                return draft_loss(head, batch, t2d)
             return medusa_loss(head, batch, t2d, target.model.norm)
     return loss_fn
 
@@ -69,6 +72,8 @@ def _greedy_ranks(kind, head, batch, t2d, target, loss_cfg) -> list[torch.Tensor
     in the top max(RANKS))."""
     if kind == "eagle":
         outputs = eagle_unroll(head, batch, t2d, loss_cfg)
+    elif kind == "draft":
+        outputs = draft_outputs(head, batch, t2d)
     else:
         outputs = medusa_outputs(head, batch, t2d, target.model.norm)
     ranks = []
@@ -85,6 +90,7 @@ def run(args) -> int:
     from specdecode.model.loading import load_model
     from specdecode.model.tokenizer import Tokenizer
     from specdecode.spec.heads import EagleHead, HeadConfig, MedusaHeads, save_head
+    from specdecode.train.heads import draft_from_target
 
     from specdecode.models.registry import resolve_model
 
@@ -97,10 +103,14 @@ def run(args) -> int:
     held = _feature_cache(args, tokenizer, data_path, args.features / "heldout", args.heldout_tokens, heldout=True)
     target = load_model(args.model, dtype="float32", device="cpu").requires_grad_(False)
     digest = speculators.weights_digest(target)
-    d2t = features.draft_vocabulary(shards, args.draft_vocab, tokenizer.eos_token_ids)
-    t2d = speculators.target_to_draft_map(d2t, target.config.vocab_size)
     torch.manual_seed(args.seed)
-    head = EagleHead(target, d2t) if kind == "eagle" else MedusaHeads(target, d2t, args.num_heads)
+    if kind == "draft":  # a whole model in the target's vocabulary
+        d2t = torch.arange(target.config.vocab_size)
+        head = draft_from_target(target, args.draft_hidden, args.draft_layers, 4 * args.draft_hidden)
+    else:
+        d2t = features.draft_vocabulary(shards, args.draft_vocab, tokenizer.eos_token_ids)
+        head = EagleHead(target, d2t) if kind == "eagle" else MedusaHeads(target, d2t, args.num_heads)
+    t2d = speculators.target_to_draft_map(d2t, target.config.vocab_size)
     loss_cfg = HeadLossConfig(unroll=args.unroll)
     cfg = loop.TrainConfig(steps=args.steps, batch_size=1, seq_len=args.batch_tokens, lr=args.lr,
                            warmup_steps=min(args.steps, 50), weight_decay=0.0, seed=args.seed,
@@ -119,19 +129,36 @@ def run(args) -> int:
             "target": str(args.model), "target_sha256": digest, "data": data,
             "draft_vocab_size": len(d2t), "train": summary, "this_run_wall_time_s": round(time.time() - started, 1),
             "heldout_topk_accuracy": {"ranks": list(RANKS), "per_depth": accuracy}}
-    config = HeadConfig(kind=kind, target_sha256=digest, draft_vocab_size=len(d2t),
-                        num_heads=args.num_heads if kind == "medusa" else 1,
-                        topk_accuracy=[row[:] for row in accuracy])
-    save_head(head, config, args.out, card(info))
+    if kind == "draft":
+        save_draft(head, tokenizer, args.out, card(info))
+    else:
+        config = HeadConfig(kind=kind, target_sha256=digest, draft_vocab_size=len(d2t),
+                            num_heads=args.num_heads if kind == "medusa" else 1,
+                            topk_accuracy=[row[:] for row in accuracy])
+        save_head(head, config, args.out, card(info))
     (Path(args.out) / "training.json").write_text(json.dumps(info, indent=1) + "\n")
     print(json.dumps(info["heldout_topk_accuracy"], indent=1))
     return 0
 
 
+def save_draft(draft, tokenizer, folder: Path, card_text: str) -> None:
+    """A Hugging Face directory: config.json, model.safetensors (bfloat16) and the target's tokenizer."""
+    from specdecode.model.loading import save_model
+
+    folder = Path(folder)
+    save_model(draft, folder, dtype=torch.bfloat16)
+    tokenizer.backend.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token, "pad_token": tokenizer.pad_token,
+        "add_bos_token": tokenizer.add_bos_token, "chat_template": tokenizer.chat_template}, indent=1) + "\n")
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": tokenizer.eos_token_ids}) + "\n")
+    (folder / "README.md").write_text(card_text)
+
+
 def card(info: dict) -> str:
     """The speculator's card: what it is, how it was made, how well it predicts the target on held-out text."""
     acc = info["heldout_topk_accuracy"]
-    name = "depth" if info["kind"] == "eagle" else "head"
+    name = {"eagle": "depth", "medusa": "head", "draft": "next token"}[info["kind"]]
     rows = "\n".join(f"| {name} {i + 1} | " + " | ".join(f"{a:.1%}" for a in row) + " |"
                      for i, row in enumerate(acc["per_depth"]))
     data = info["data"]

@@ -133,3 +133,39 @@ def medusa_loss(heads: MedusaHeads, batch: FeatureBatch, target_to_draft: torch.
         total = total + soft_cross_entropy(out.logits, out.topk_draft, out.topk_probs).mean()
         extra[f"acc{i}"] = (out.logits.argmax(-1) == out.topk_draft[:, 0]).float().mean().detach()
     return total / len(heads.blocks), extra
+
+
+def draft_outputs(draft, batch: FeatureBatch, target_to_draft: torch.Tensor):
+    """A draft model's next-token logits at the answer positions, against the target's top-k there."""
+    logits = draft(batch.tokens).logits  # [B, T, V]
+    selected = batch.valid & batch.is_answer
+    yield StepOutput(logits[selected], target_to_draft[batch.topk_ids][selected], batch.topk_probs[selected])
+
+
+def draft_loss(draft, batch: FeatureBatch, target_to_draft: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """Distillation of a small model: soft cross-entropy to the target's cached next-token distributions."""
+    out = next(draft_outputs(draft, batch, target_to_draft))
+    loss = soft_cross_entropy(out.logits, out.topk_draft, out.topk_probs).mean()
+    return loss, {"tokens": batch.num_tokens, "acc1": (out.logits.argmax(-1) == out.topk_draft[:, 0]).float().mean()}
+
+
+def draft_from_target(target, hidden: int, layers: int, intermediate: int):
+    """A small model in the target's vocabulary whose tied embedding is the target's projected onto its top
+    `hidden` principal directions: the draft starts knowing which tokens are alike."""
+    import dataclasses as dc
+
+    from specdecode.model.llama import LlamaForCausalLM
+
+    tc = target.config
+    heads = max(1, hidden // 64)
+    config = dc.replace(tc, hidden_size=hidden, num_hidden_layers=layers, intermediate_size=intermediate,
+                        num_attention_heads=heads, num_key_value_heads=heads, head_dim=hidden // heads,
+                        tie_word_embeddings=True)
+    draft = LlamaForCausalLM(config)
+    with torch.no_grad():
+        emb = target.model.embed_tokens.weight.float()  # [V, D]
+        _, _, v = torch.svd_lowrank(emb - emb.mean(0), q=hidden, niter=4)  # v [D, hidden]
+        projected = emb @ v
+        draft.model.embed_tokens.weight.copy_(projected / projected.std() * 0.02 ** 0.5)
+    draft.lm_head.weight = draft.model.embed_tokens.weight
+    return draft

@@ -173,3 +173,33 @@ def test_head_losses_train_and_round_trip(cache, tmp_path):
             torch.testing.assert_close(value, trained[name].float(), atol=0, rtol=0)
         with pytest.raises(Exception, match="other target weights"):
             load_head(tmp_path / kind, target, "0" * 64)
+
+
+def test_draft_distillation_learns_and_saves_a_loadable_checkpoint(cache, tiny_models, tmp_path):
+    from specdecode.train.head_cli import save_draft
+    from specdecode.train.heads import draft_from_target, draft_loss
+
+    target, examples, folder = cache
+    shards = features.open_cache(folder)
+    target.requires_grad_(False)
+    torch.manual_seed(0)
+    draft = draft_from_target(target, hidden=32, layers=1, intermediate=64)
+    assert draft.config.vocab_size == target.config.vocab_size and draft.config.num_hidden_layers == 1
+    t2d = torch.arange(target.config.vocab_size)
+    opt = torch.optim.AdamW(draft.parameters(), lr=1e-2)
+    losses = []
+    for step in range(40):
+        loss, extra = draft_loss(draft, features.sample_batch(shards, 64, seed=0, step=step), t2d)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert sum(losses[-5:]) < 0.7 * sum(losses[:5]), losses
+    tok = Tokenizer(tiny_models["target"])
+    save_draft(draft, tok, tmp_path / "draft", "card")
+    loaded = load_model(tmp_path / "draft", dtype="float32", device="cpu")
+    ids = torch.tensor([examples[0].ids])
+    torch.testing.assert_close(loaded(ids).logits, draft(ids).logits, atol=0.1, rtol=0.05)  # saved in bf16
+    from specdecode.spec.compat import check_compatible
+
+    check_compatible(tok, Tokenizer(tmp_path / "draft"), target.config, loaded.config)
