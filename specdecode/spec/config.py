@@ -146,6 +146,7 @@ def _draft_model(config: SpeculativeConfig, target, target_tokenizer, dtype, dev
 
 
 def _load_head(config: SpeculativeConfig, target, target_dir: Path | None, kind: str):
+    from specdecode.model.linear import linear_backend, prepare_for_inference
     from specdecode.spec.heads import HeadConfig, load_head
 
     if not config.model:
@@ -156,7 +157,8 @@ def _load_head(config: SpeculativeConfig, target, target_dir: Path | None, kind:
     if found != kind:
         raise ConfigError(f"{folder} holds a speculator of kind {found!r}, not {kind!r}: use --speculative-method "
                           f"{found} (method {found!r})")
-    return load_head(folder, target, target_digest(target, target_dir))
+    head = load_head(folder, target, target_digest(target, target_dir))
+    return prepare_for_inference(head, linear_backend(target))  # the target's linear kernels
 
 
 def _eagle(config: SpeculativeConfig, target, _tokenizer, _dtype, _device, target_dir):
