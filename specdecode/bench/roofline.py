@@ -13,18 +13,20 @@ import torch
 from specdecode.model.llama import LlamaForCausalLM
 
 
-def measure_read_bandwidth(bytes_: int = 512 * 2**20, repeats: int = 5, device: str | torch.device = "cpu") -> float:
+def measure_read_bandwidth(bytes_: int = 512 * 2**20, repeats: int = 5, device: str | torch.device = "cpu",
+                           now=time.perf_counter) -> float:
     """Bytes/s of the fastest of `repeats` full reads (a sum) of a float32 tensor of `bytes_` bytes: well
-    above every cache size, so it is the memory's read bandwidth at the current torch thread count."""
+    above every cache size, so it is the memory's read bandwidth at the current torch thread count. `now` is
+    the clock (time.thread_time leaves out time spent waiting for a core on a shared machine)."""
     x = torch.ones(bytes_ // 4, dtype=torch.float32, device=device)
     x.sum()  # first touch: page faults, lazy allocation
     best = float("inf")
     for _ in range(repeats):
         if x.device.type == "cuda":
             torch.cuda.synchronize()
-        start = time.perf_counter()
+        start = now()
         x.sum().item()  # .item() waits for the device
-        best = min(best, time.perf_counter() - start)
+        best = min(best, now() - start)
     return x.numel() * x.element_size() / best
 
 
@@ -41,7 +43,7 @@ def weight_bytes_per_step(model: LlamaForCausalLM) -> int:
 def kv_bytes_per_step(model: LlamaForCausalLM, context_len: float) -> float:
     """Bytes of keys and values read by one decode step at this context length (batch 1)."""
     c = model.config
-    return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * model.dtype.itemsize * context_len
+    return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * model.kv_dtype.itemsize * context_len
 
 
 def roofline(model: LlamaForCausalLM, bandwidth: float, context_len: float, tokens_per_s: float) -> dict:

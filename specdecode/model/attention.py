@@ -1,8 +1,10 @@
 """Attention of one forward's new tokens over the KV cache: where they are written, what they see, which kernel.
 
 Decode and verify steps (a few new tokens per row) run as two plain matrix products over the cache (keys stored
-transposed, see cache.py) with a float32 softmax between, as transformers' eager attention does: on CPU, for so
-few queries, that is several times faster than scaled_dot_product_attention, most of all in bfloat16. Prefills
+transposed, see cache.py) with a softmax between, in the cache's dtype (float32 on CPU, also for bfloat16 models,
+see LlamaForCausalLM.kv_dtype): on CPU, for so few queries, that is 2-10x faster than
+scaled_dot_product_attention (which in bfloat16 costs ~0.7 ms per layer for one query over 500 positions), and
+float32 matrix products read the cache's strided prefix in place where bfloat16 ones copy it first. Prefills
 (many queries) go to scaled_dot_product_attention.
 """
 from __future__ import annotations
@@ -17,22 +19,25 @@ SMALL_STEP_TOKENS = 32
 
 
 def attention_over_cache(q: torch.Tensor, keys_t: torch.Tensor, values: torch.Tensor,
-                         blocked: torch.Tensor | None, window: int) -> torch.Tensor:
+                         blocked: torch.Tensor | None, window: int, scale: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax attention of a few queries over a cached context.
 
     q [B, heads, T, hd], keys_t [B, kv_heads, hd, L], values [B, kv_heads, L, hd];
-    blocked [B, 1, 1, T, window] bool (True = may not attend) over the last `window` positions, or None.
-    Returns [B, heads, T, hd].
+    blocked [B, 1, 1, T, window] bool (True = may not attend) over the last `window` positions, or None;
+    scale [1]: 1/sqrt(hd) in the cache's dtype (a 1-d tensor, so that q * scale also converts q to it).
+    Returns [B, heads, T, hd] in the cache's dtype.
     """
     B, H, T, hd = q.shape
     kv_heads, L = keys_t.shape[1], keys_t.shape[3]
     group = H // kv_heads
     # The query heads that share a kv head are stacked as rows: grouped-query attention without repeating keys.
-    q = q.reshape(B, kv_heads, group * T, hd) * hd ** -0.5
+    if scale is None:
+        scale = torch.full((1,), hd ** -0.5, dtype=keys_t.dtype, device=q.device)
+    q = q.reshape(B, kv_heads, group * T, hd) * scale  # scaled and brought to the cache's dtype: one operation
     scores = torch.matmul(q, keys_t)  # [B, kv_heads, group * T, L]
     if blocked is not None:
         scores.view(B, kv_heads, group, T, L)[..., L - window:].masked_fill_(blocked, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)  # (reduced precision: exponentials and sums in float32 inside the op)
+    probs = torch.softmax(scores, dim=-1)
     return torch.matmul(probs, values).view(B, H, T, hd)
 
 
@@ -71,6 +76,8 @@ class CacheContext:
         new = torch.arange(new_tokens, device=device)
         self.write_pos = lengths[:, None] + pending + new  # [B, T]
         self.small_step = new_tokens <= SMALL_STEP_TOKENS
+        keys = cache.k[0]  # [slots, kv_heads, hd, max_len]
+        self.q_scale = torch.full((1,), keys.shape[2] ** -0.5, dtype=keys.dtype, device=device)  # see attention_over_cache
         self.is_causal = False  # a prefill from empty rows: causal attention over the new tokens only
         self.mask = None  # [B, 1, T, L] bool, True = may attend (scaled_dot_product_attention); None = all
         self.blocked = None  # [B, 1, 1, T, W] bool, True = may not attend, over the last W positions
@@ -110,6 +117,6 @@ class CacheContext:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         keys_t, values = cache.read(layer, self.rows, self.context_len)
         if self.small_step:
-            return attention_over_cache(q, keys_t, values, self.blocked, self.window)
-        return F.scaled_dot_product_attention(q, keys_t.transpose(2, 3), values, attn_mask=self.mask,
-                                              enable_gqa=True)
+            return attention_over_cache(q, keys_t, values, self.blocked, self.window, self.q_scale).to(q.dtype)
+        return F.scaled_dot_product_attention(q.to(values.dtype), keys_t.transpose(2, 3), values,
+                                              attn_mask=self.mask, enable_gqa=True).to(q.dtype)

@@ -23,7 +23,7 @@ class ModelOutput:
     hidden: torch.Tensor
     """Final (normed) hidden states [B, T, D], the input of the output head."""
     logits: torch.Tensor | None = None
-    """Output logits [B, T, vocab] (None when compute_logits=False)."""
+    """Output logits [B, T, vocab], float32 (None when compute_logits=False)."""
     layer_hidden: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
     """Outputs of the requested decoder layers, each [B, T, D]."""
 
@@ -157,10 +157,16 @@ class LlamaForCausalLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
 
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The KV cache's dtype: float32 on CPU, where attention's small matrix products over the cache run faster
+        in float32 than in reduced precision (and are exact to more bits); the model's dtype elsewhere."""
+        return torch.float32 if self.device.type == "cpu" else self.dtype
+
     def make_cache(self, slots: int, max_len: int) -> KVCache:
         c = self.config
         return KVCache(c.num_hidden_layers, slots, c.num_key_value_heads, max_len, c.head_dim,
-                       dtype=self.dtype, device=self.device)
+                       dtype=self.kv_dtype, device=self.device)
 
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin (see apply_rotary) [B, T, 1, head_dim] for position ids [B, T]."""
@@ -201,5 +207,7 @@ class LlamaForCausalLM(nn.Module):
             if i in hidden_layers:
                 layer_hidden[i] = x.view(B, T, -1)
         hidden = self.model.norm(x)
-        logits = self.lm_head(hidden).view(B, T, -1) if compute_logits else None
+        # Logits in float32 whatever the weights: sampling and verification want it, and on CPU argmax over
+        # bfloat16 is 5x slower than the conversion and a float32 argmax together.
+        logits = self.lm_head(hidden).view(B, T, -1).float() if compute_logits else None
         return ModelOutput(hidden=hidden.view(B, T, -1), logits=logits, layer_hidden=layer_hidden)

@@ -1,0 +1,264 @@
+"""How fast plain decoding and verification run, per dtype and linear backend: tokens/s against transformers and
+against the memory roofline, the cost of a pass over K new tokens relative to one, batch-8 throughput.
+`specdecode bench --speed` and benchmarks/speed.py run it; speed_report.py renders it.
+
+Everything runs in one process and interleaved (one run of every configuration per round, the fastest run
+counts), so that a change of load on a shared machine hits all configurations alike: the ratios are the
+figures to trust.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from specdecode.bench.measure import trace_generate
+from specdecode.bench.roofline import kv_bytes_per_step, measure_read_bandwidth, weight_bytes_per_step
+from specdecode.engine.llm import LLM
+from specdecode.errors import ConfigError
+from specdecode.hardware import cpu_has_native_bf16, cpu_name
+from specdecode.model.linear import linear_backend, onednn_supports, prepare_for_inference
+from specdecode.model.loading import DTYPES
+from specdecode.sampling import SamplingParams
+
+QUESTIONS = ("Explain how a hash table works.", "What are the main causes of inflation?",
+             "Write a short story about a robot learning to paint.", "How do vaccines train the immune system?",
+             "Compare Python lists and tuples.", "Why is the sky blue?", "Give three tips for a job interview.",
+             "Describe the water cycle.")
+"""Chat prompts of the batch comparison (the first is the batch-1 prompt)."""
+
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
+
+GOALS = {"plain_fp32_vs_hf_fp32": 1.6, "plain_bf16_vs_hf_fp32": 2.5, "roofline_share": 0.8, "verify_8": 1.4,
+         "batch_8": 4.0}
+"""The speed issue's goals (ratios; verify_8 is an upper bound, the rest lower bounds)."""
+
+
+@dataclasses.dataclass
+class SpeedConfig:
+    """What the speed benchmark runs."""
+
+    model: Path
+    """Checkpoint: Hugging Face directory or GGUF file."""
+    tokens: int = 128
+    """Tokens generated per run (greedy, EOS ignored)."""
+    rounds: int = 3
+    """Interleaved rounds of generation; the fastest run of each configuration counts."""
+    dtypes: tuple[str, ...] = ("float32", "bfloat16")
+    """Weight dtypes to time (bfloat16 is skipped where the CPU has no native bfloat16)."""
+    backends: tuple[str, ...] = ("onednn", "plain")
+    """Linear backends (model/linear.py); one this machine lacks is skipped."""
+    max_verify: int = 16
+    """Passes over K = 1..max_verify new tokens are timed."""
+    batch: int = 8
+    """Batch size whose plain throughput is compared with batch 1."""
+    peers: bool = True
+    """Also time transformers' generate() in float32, the goals' reference."""
+    device: str = "cpu"
+    """Device to run on."""
+    clock: str = "wall"
+    """"wall" (time.perf_counter) or "cpu" (time.thread_time: the CPU time of the one thread that runs
+    everything, torch threads being 1; on a machine shared with other jobs it leaves out the time the process
+    waits for a core, though not their use of memory bandwidth)."""
+
+    def __post_init__(self):
+        unknown = sorted(set(self.dtypes) - set(DTYPES))
+        if unknown:
+            raise ConfigError(f"unknown dtype(s) {unknown}; choose from {', '.join(DTYPES)}")
+        for name in ("tokens", "rounds", "max_verify", "batch"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.clock not in CLOCKS:
+            raise ConfigError(f"clock must be one of {', '.join(CLOCKS)}, got {self.clock!r}")
+        if self.clock == "cpu" and torch.get_num_threads() != 1:
+            raise ConfigError("the cpu clock times one thread: set torch threads to 1 (--threads 1)")
+
+    @property
+    def now(self):
+        return CLOCKS[self.clock]
+
+
+def chat_ids(llm: LLM, question: str) -> list[int]:
+    """A question in the model's chat template, as token ids."""
+    return llm.tokenizer.encode_chat([{"role": "user", "content": question}])
+
+
+def configurations(config: SpeedConfig) -> list[tuple[str, str]]:
+    """(dtype, backend) pairs this machine can run."""
+    device = torch.device(config.device)
+    pairs = []
+    for dtype in config.dtypes:
+        if dtype == "bfloat16" and device.type == "cpu" and not cpu_has_native_bf16():
+            continue
+        for backend in config.backends:
+            if backend == "onednn" and not onednn_supports(device, DTYPES[dtype]):
+                continue
+            pairs.append((dtype, backend))
+    return pairs
+
+
+def label(dtype: str, backend: str) -> str:
+    return f"{dtype} {backend}"
+
+
+def time_decode(engines: dict, ids: list[int], tokens: int, rounds: int, now=time.perf_counter) -> dict[str, dict]:
+    """name -> {tokens_per_s (fastest run), median, runs, token_ids}; engines: name -> run(ids, n) -> Trace."""
+    for run in engines.values():
+        run(ids, 8)  # warm-up: first-call allocations out of the measurement
+    seconds = {name: [] for name in engines}
+    outputs = {}
+    for _ in range(rounds):
+        for name, run in engines.items():
+            start = now()
+            outputs[name] = run(ids, tokens).token_ids
+            seconds[name].append(now() - start)
+    out = {}
+    for name, runs in seconds.items():
+        runs = sorted(runs)
+        out[name] = {"tokens_per_s": tokens / runs[0], "median_tokens_per_s": tokens / runs[len(runs) // 2],
+                     "seconds": runs, "token_ids": outputs[name]}
+    return out
+
+
+@torch.inference_mode()
+def pass_costs(models: dict, ks: list[int], context: int, repeats: int = 5, calls: int = 3,
+               now=time.perf_counter) -> dict[str, dict]:
+    """name -> K -> seconds of one cached forward over K new tokens (a chain: causal among them, logits for all)
+    after `context` committed tokens, for every model and K in ks; interleaved over both, the fastest of
+    `repeats` means of `calls` calls."""
+    caches, inputs = {}, {}
+    for name, model in models.items():
+        caches[name] = cache = model.make_cache(1, context + max(ks) + 1)
+        generator = torch.Generator().manual_seed(0)
+        model(torch.randint(0, model.config.vocab_size, (1, context), generator=generator), cache=cache)
+        cache.advance(torch.tensor([0]), context)
+        inputs[name] = {k: (torch.randint(0, model.config.vocab_size, (1, k), generator=generator),
+                            torch.ones(k, k, dtype=torch.bool).tril()[None]) for k in ks}
+    best = {name: {k: float("inf") for k in ks} for name in models}
+    for _ in range(repeats):
+        for name, model in models.items():
+            for k, (ids, mask) in inputs[name].items():
+                model(ids, cache=caches[name], tree_mask=mask)  # warm: the first call of a shape allocates
+                start = now()
+                for _ in range(calls):
+                    model(ids, cache=caches[name], tree_mask=mask)
+                best[name][k] = min(best[name][k], (now() - start) / calls)
+    return best
+
+
+def time_batches(llm: LLM, prompts: list[list[int]], tokens: int, rounds: int, now=time.perf_counter) -> dict:
+    """Plain generated tokens/s of one prompt alone and of len(prompts) prompts as one batch, interleaved."""
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    best = {1: float("inf"), len(prompts): float("inf")}
+    for _ in range(rounds):
+        for n in best:
+            start = now()
+            llm.generate(prompts[:n], params, use_tqdm=False)
+            best[n] = min(best[n], now() - start)
+    one, many = tokens / best[1], len(prompts) * tokens / best[len(prompts)]
+    return {"batch": len(prompts), "batch1_tokens_per_s": one, "batch_tokens_per_s": many, "ratio": many / one}
+
+
+def run_speed(config: SpeedConfig, log=print) -> dict:
+    """Run every measurement; returns what speed.json holds."""
+    start = time.perf_counter()
+    pairs = configurations(config)
+    if not pairs:
+        raise ConfigError("no dtype/backend configuration can run here; check --dtypes and --backends")
+    llms = {}
+    for dtype, backend in pairs:
+        log(f"loading {label(dtype, backend)}")
+        llm = LLM(config.model, dtype=dtype, device=config.device, max_num_seqs=max(1, config.batch))
+        prepare_for_inference(llm.target, backend)
+        llms[label(dtype, backend)] = llm
+    first = next(iter(llms.values()))
+    ids = chat_ids(first, QUESTIONS[0])
+    params = SamplingParams(temperature=0, max_tokens=config.tokens, ignore_eos=True)
+
+    def ours(llm):
+        return lambda prompt, n: trace_generate(llm, prompt, dataclasses.replace(params, max_tokens=n))
+
+    engines = {name: ours(llm) for name, llm in llms.items()}
+    info = {"cpu": cpu_name(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__, "device": config.device, "native_bf16": cpu_has_native_bf16()}
+    if config.peers:
+        import transformers
+
+        from specdecode.bench.peers import TransformersEngine
+
+        log("loading transformers float32")
+        engines["transformers float32"] = TransformersEngine("plain", config.model, dtype=torch.float32,
+                                                             device=config.device).generate
+        info["transformers"] = transformers.__version__
+    if hasattr(os, "getloadavg"):
+        info["load_average_start"] = os.getloadavg()[0]
+
+    log("measuring memory bandwidth")
+    bandwidth = measure_read_bandwidth(device=config.device, now=config.now)
+    log(f"plain decoding: {config.rounds} interleaved rounds of {len(engines)} engines x {config.tokens} tokens")
+    decode = time_decode(engines, ids, config.tokens, config.rounds, config.now)
+    bandwidth = max(bandwidth, measure_read_bandwidth(device=config.device, now=config.now))  # again, after: the better of two
+    context = len(ids) + config.tokens / 2  # mean context over the decode steps
+    for name, llm in llms.items():
+        row = decode[name]
+        row["backend"] = linear_backend(llm.target)
+        row["dtype"] = str(llm.target.dtype).removeprefix("torch.")
+        row["bytes_per_step"] = weight_bytes_per_step(llm.target) + kv_bytes_per_step(llm.target, context)
+        row["ceiling_tokens_per_s"] = bandwidth / row["bytes_per_step"]
+        row["roofline_share"] = row["tokens_per_s"] / row["ceiling_tokens_per_s"]
+        row["same_as_first"] = row["token_ids"] == decode[next(iter(llms))]["token_ids"]
+
+    log(f"passes over K = 1..{config.max_verify} tokens")
+    ks = list(range(1, config.max_verify + 1))
+    verify = {}
+    all_costs = pass_costs({name: llm.target for name, llm in llms.items()}, ks, context=int(context),
+                           repeats=config.rounds + 2, now=config.now)
+    for name, costs in all_costs.items():
+        verify[name] = {"seconds": costs, "relative": {k: costs[k] / costs[1] for k in ks}}
+        decode[name]["forward_ms"] = 1000 * costs[1]
+        decode[name]["forward_roofline_share"] = 1 / costs[1] / decode[name]["ceiling_tokens_per_s"]
+
+    batch = {}
+    if config.batch > 1:
+        prompts = [chat_ids(first, QUESTIONS[i % len(QUESTIONS)]) for i in range(config.batch)]
+        for name, llm in llms.items():
+            if decode[name]["backend"] == "onednn" or len(llms) == 1:
+                log(f"batch {config.batch} vs 1: {name}")
+                batch[name] = time_batches(llm, prompts, config.tokens, config.rounds, config.now)
+    if hasattr(os, "getloadavg"):
+        info["load_average_end"] = os.getloadavg()[0]
+    info["wall_seconds"] = time.perf_counter() - start
+    return {"machine": info, "settings": {**dataclasses.asdict(config), "model": str(config.model)},
+            "prompt_tokens": len(ids), "bandwidth_gb_s": bandwidth / 1e9, "decode": decode, "verify": verify,
+            "batch": batch, "goals": goals(decode, verify, batch)}
+
+
+def goals(decode: dict, verify: dict, batch: dict) -> list[dict]:
+    """The issue's goals, each with the configuration measured, the figure and whether it is met."""
+    out = []
+    hf = decode.get("transformers float32")
+    ours = {n: r for n, r in decode.items() if "backend" in r}
+    best = {d: max((r for r in ours.values() if r["dtype"] == d), key=lambda r: r["tokens_per_s"], default=None)
+            for d in ("float32", "bfloat16")}
+    for dtype, key in (("float32", "plain_fp32_vs_hf_fp32"), ("bfloat16", "plain_bf16_vs_hf_fp32")):
+        if hf and best[dtype]:
+            name = label(best[dtype]["dtype"], best[dtype]["backend"])
+            out.append(dict(goal=key, config=name, value=best[dtype]["tokens_per_s"] / hf["tokens_per_s"],
+                            target=GOALS[key], met=best[dtype]["tokens_per_s"] / hf["tokens_per_s"] >= GOALS[key]))
+    for name, r in ours.items():
+        if r["backend"] == "onednn" or len(ours) == 1:
+            out.append(dict(goal="roofline_share", config=name, value=r["roofline_share"],
+                            target=GOALS["roofline_share"], met=r["roofline_share"] >= GOALS["roofline_share"]))
+    for name, v in verify.items():
+        if 8 in v["relative"] and (ours[name]["backend"] == "onednn" or len(ours) == 1):
+            rel = v["relative"][8]
+            out.append(dict(goal="verify_8", config=name, value=rel, target=GOALS["verify_8"],
+                            met=rel <= GOALS["verify_8"]))
+    for name, b in batch.items():
+        out.append(dict(goal=f"batch_{b['batch']}", config=name, value=b["ratio"], target=GOALS["batch_8"],
+                        met=b["ratio"] >= GOALS["batch_8"]))
+    return out
