@@ -18,7 +18,7 @@ from specdecode.engine.step import StepRunner
 from specdecode.errors import ConfigError
 from specdecode.model.loading import load_model, resolve_device
 from specdecode.model.tokenizer import Tokenizer
-from specdecode.models.registry import model_name, resolve_model
+from specdecode.models.registry import default_speculative_config, model_name, resolve_model
 from specdecode.sampling import SamplingParams
 from specdecode.spec.config import SpeculativeConfig, build_proposer, with_shipped_speculator
 from specdecode.spec.control import SpecController, measure_costs
@@ -26,11 +26,17 @@ from specdecode.spec.control import SpecController, measure_costs
 
 class LLM:
     def __init__(self, model: str | Path | None = None, dtype: str = "auto", device: str | None = None,
-                 speculative_config: dict | SpeculativeConfig | None = None, max_num_seqs: int = 32,
+                 speculative_config: dict | SpeculativeConfig | str | None = None, max_num_seqs: int = 32,
                  max_model_len: int | None = None):
         """model: a model name (default: smollm2-135m-instruct, fetched on first use), a .gguf file, or a
         Hugging Face checkpoint directory.
-        speculative_config: vLLM-style dict, e.g. {"method": "ngram", "num_speculative_tokens": 8}."""
+        speculative_config: vLLM-style dict, e.g. {"method": "ngram", "num_speculative_tokens": 8}; None (default)
+        = plain decoding; "auto" = the speculator shipped for a named model, as the CLI uses (none for a path).
+        An adaptive config times the target at start-up for every batch size up to max_num_seqs (seconds each)."""
+        if isinstance(speculative_config, str):
+            if speculative_config != "auto":
+                raise ConfigError(f"speculative_config must be a dict, None or 'auto', got {speculative_config!r}")
+            speculative_config = default_speculative_config(model)
         self.model_name = model_name(model)
         self.model_dir = resolve_model(model)
         self.device = resolve_device(device)
