@@ -14,6 +14,8 @@ from specdecode.spec.heads import EagleHead, HeadConfig, MedusaHeads, save_head
 from specdecode.spec.verify import VerifyResult, verify_sampling
 from specdecode.train.speculators import weights_digest
 
+from . import test_lossless_sampling as lossless
+
 
 def target_text(target, prompts: int, length: int, seed: int = 0, sample: bool = False) -> torch.Tensor:
     """[prompts, length] token ids: a few random tokens, then the target's greedy (or sampled) continuation."""
@@ -110,5 +112,16 @@ def correction_from_p(tree, p_all, uniforms, generator=torch.Generator().manual_
     result = verify_sampling(tree, p_all, uniforms)
     node = result.accepted[-1] if result.accepted else -1
     if tree.shape.children[node + 1]:
-        return VerifyResult(result.accepted, int(torch.multinomial(p_all[node + 1].float(), 1, generator=generator)))
+        token = int(torch.multinomial(p_all[node + 1].float(), 1, generator=generator))
+        return VerifyResult(result.accepted, token)
     return result
+
+
+def chi_square_p(root: Path, config: dict, params, monkeypatch, samples: int = 8000):
+    """(p-value of the chi-square test that speculative samples of the first three tokens follow the target in
+    root / "target", the run's SpecStats), with `samples` requests (the suite's default is 20,000; the negative
+    controls show that 8,000 are enough)."""
+    monkeypatch.setattr(lossless, "SAMPLES", samples)
+    target_dir = root / "target"
+    drawn, llm, _ = lossless.speculative_samples(target_dir, config, params)
+    return lossless.goodness_of_fit(lossless.exact_distribution(target_dir, params), drawn), llm.total_stats

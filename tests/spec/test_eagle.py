@@ -12,10 +12,9 @@ from specdecode.sampling import SamplingParams
 from specdecode.spec.heads import EagleHead
 from specdecode.spec.proposers.eagle import EagleProposer, _Pool
 
-from . import test_lossless_sampling as lossless
-from .heads_fixtures import copy_head, correction_from_p, load_target, save_speculator, target_text, train_eagle
-from .test_lossless_sampling import PARAMS, exact_distribution, goodness_of_fit, make_tiny_vocab_model, \
-    speculative_samples
+from .heads_fixtures import (chi_square_p, copy_head, correction_from_p, load_target, save_speculator, target_text,
+                             train_eagle)
+from .test_lossless_sampling import PARAMS, make_tiny_vocab_model
 
 PROMPTS = ["def add(a, b):", "class Point:\n    def __init__(self, x, y):\n        self.x = x", "for i in",
            "import os\nimport sys\n", "x", "Speculative decoding drafts tokens cheaply and"]
@@ -125,12 +124,6 @@ def test_speculator_checks(one_layer, tiny_models, tmp_path):
 # -- lossless sampling ------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(autouse=True)
-def fewer_samples(monkeypatch):
-    """8,000 samples per test (the suite's default is 20,000): the negative control shows it is enough."""
-    monkeypatch.setattr(lossless, "SAMPLES", 8000)
-
-
 @pytest.fixture(scope="module")
 def vocab8_eagle(tmp_path_factory):
     """An 8-token target and an EAGLE head over 6 of its tokens, trained for a moment on the target's samples."""
@@ -148,18 +141,16 @@ def eagle_config(root):
 
 
 @pytest.mark.parametrize("params_name", list(PARAMS))
-def test_sampling_from_eagle_trees_matches_the_target(vocab8_eagle, params_name):
-    params = PARAMS[params_name]
-    samples, llm, _ = speculative_samples(vocab8_eagle / "target", eagle_config(vocab8_eagle), params)
-    assert llm.total_stats.accepted_per_pos[1] > 0, "whole paths of the tree must be accepted too"
-    assert goodness_of_fit(exact_distribution(vocab8_eagle / "target", params), samples) > 1e-3
+def test_sampling_from_eagle_trees_matches_the_target(vocab8_eagle, params_name, monkeypatch):
+    p_value, stats = chi_square_p(vocab8_eagle, eagle_config(vocab8_eagle), PARAMS[params_name], monkeypatch)
+    assert stats.accepted_per_pos[1] > 0, "whole paths of the tree must be accepted too"
+    assert p_value > 1e-3
 
 
 def test_negative_control_fails(vocab8_eagle, monkeypatch):
     monkeypatch.setattr(step_module, "verify_sampling", correction_from_p)
-    params = PARAMS["t1"]
-    samples, _, _ = speculative_samples(vocab8_eagle / "target", eagle_config(vocab8_eagle), params)
-    assert goodness_of_fit(exact_distribution(vocab8_eagle / "target", params), samples) < 1e-6
+    p_value, _ = chi_square_p(vocab8_eagle, eagle_config(vocab8_eagle), PARAMS["t1"], monkeypatch)
+    assert p_value < 1e-6
 
 
 def test_trees_branch_and_respect_budgets(vocab8_eagle):

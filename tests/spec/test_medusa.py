@@ -14,10 +14,8 @@ from specdecode.sampling import SamplingParams
 from specdecode.spec.proposers.medusa import greedy_tree, rank_accuracy
 from specdecode.spec.tree import paths_to_parents
 
-from . import test_lossless_sampling as lossless
-from .heads_fixtures import correction_from_p, load_target, save_speculator, target_text, train_medusa
-from .test_lossless_sampling import PARAMS, exact_distribution, goodness_of_fit, make_tiny_vocab_model, \
-    speculative_samples
+from .heads_fixtures import chi_square_p, correction_from_p, load_target, save_speculator, target_text, train_medusa
+from .test_lossless_sampling import PARAMS, make_tiny_vocab_model
 
 
 def test_greedy_tree_is_the_best_set_of_paths():
@@ -82,22 +80,14 @@ def test_tree_comes_from_the_recorded_accuracies(vocab8_medusa):
     assert llm.spec_config.tree_size == 6
 
 
-@pytest.fixture(autouse=True)
-def fewer_samples(monkeypatch):
-    """8,000 samples per test (the suite's default is 20,000): the negative control shows it is enough."""
-    monkeypatch.setattr(lossless, "SAMPLES", 8000)
-
-
 @pytest.mark.parametrize("params_name", list(PARAMS))
-def test_sampling_from_medusa_trees_matches_the_target(vocab8_medusa, params_name):
-    params = PARAMS[params_name]
-    samples, llm, _ = speculative_samples(vocab8_medusa / "target", medusa_config(vocab8_medusa), params)
-    assert len(llm.total_stats.accepted_per_pos) >= 2, "whole paths of the tree must be accepted too"
-    assert goodness_of_fit(exact_distribution(vocab8_medusa / "target", params), samples) > 1e-3
+def test_sampling_from_medusa_trees_matches_the_target(vocab8_medusa, params_name, monkeypatch):
+    p_value, stats = chi_square_p(vocab8_medusa, medusa_config(vocab8_medusa), PARAMS[params_name], monkeypatch)
+    assert len(stats.accepted_per_pos) >= 2, "whole paths of the tree must be accepted too"
+    assert p_value > 1e-3
 
 
 def test_negative_control_fails(vocab8_medusa, monkeypatch):
     monkeypatch.setattr(step_module, "verify_sampling", correction_from_p)
-    params = PARAMS["t0.7_top_p0.9"]
-    samples, _, _ = speculative_samples(vocab8_medusa / "target", medusa_config(vocab8_medusa), params)
-    assert goodness_of_fit(exact_distribution(vocab8_medusa / "target", params), samples) < 1e-6
+    p_value, _ = chi_square_p(vocab8_medusa, medusa_config(vocab8_medusa), PARAMS["t0.7_top_p0.9"], monkeypatch)
+    assert p_value < 1e-6
