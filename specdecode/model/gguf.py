@@ -42,6 +42,8 @@ _LAYER_NAMES = {
 }
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
+DERIVED_TENSORS = ("rope_freqs.weight",)
+"""Tensors that the config already describes (read by gguf_config), not weights."""
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
 GGUF_MAGIC = b"GGUF"
 
@@ -141,9 +143,9 @@ def gguf_config(ckpt: GGUFCheckpoint) -> ModelConfig:
         raise ConfigError(f"{ckpt.path}: partial rotary (rope.dimension_count {rope_dim} < head_dim {head_dim}) "
                           "is not supported")
     scaling = ckpt.arch("rope.scaling.type")
-    if scaling not in (None, "none") or "rope_freqs.weight" in tensor_names:
-        raise ConfigError(f"{ckpt.path}: rope scaling ({scaling or 'rope_freqs'}) in a GGUF is not supported yet; "
-                          "use the model's Hugging Face checkpoint")
+    if scaling not in (None, "none"):
+        raise ConfigError(f"{ckpt.path}: rope scaling {scaling!r} in a GGUF is not supported; use the model's "
+                          "Hugging Face checkpoint")
     eos = [i for i in (ckpt.get("tokenizer.ggml.eos_token_id"), ckpt.get("tokenizer.ggml.eot_token_id"))
            if i is not None]
     raw = {
@@ -162,13 +164,30 @@ def gguf_config(ckpt: GGUFCheckpoint) -> ModelConfig:
         "bos_token_id": ckpt.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": sorted(set(eos)) or None,
     }
+    rope_freqs = next((t for t in ckpt.reader.tensors if t.name == "rope_freqs.weight"), None)
     try:
+        if rope_freqs is not None:
+            raw["rope_scaling"] = _llama3_scaling(raw, dequantize(rope_freqs, ckpt.path))
         config = ModelConfig.from_dict(raw)
     except (ConfigError, TypeError) as exc:
         raise ConfigError(f"{ckpt.path}: its metadata does not describe a supported model ({exc})") from exc
     if ckpt.architecture == "llama" and any(n.endswith("attn_q.bias") for n in tensor_names):
         config.attention_bias = True
     return config
+
+
+def _llama3_scaling(raw: dict, rope_freqs: np.ndarray) -> dict:
+    """The Llama 3.1+ rope_scaling that llama.cpp's converter turned into `rope_freqs` (base / scaled frequency
+    per rotary pair); the converter drops the parameters, so Meta's (low 1, high 4, 8192 tokens) are checked."""
+    scaling = {"rope_type": "llama3", "factor": float(rope_freqs.max()), "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    plain = ModelConfig.from_dict(raw)
+    scaled = ModelConfig.from_dict({**raw, "rope_scaling": scaling})
+    implied = (plain.inv_freq() / scaled.inv_freq()).numpy()
+    if implied.shape != rope_freqs.shape or not np.allclose(implied, rope_freqs, rtol=1e-3):
+        raise ConfigError("its rope_freqs tensor is not Llama 3 rope scaling with the usual parameters; this rope "
+                          "scaling is not supported, use the model's Hugging Face checkpoint")
+    return scaling
 
 
 def hf_name(gguf_name: str) -> str | None:
@@ -210,6 +229,8 @@ def gguf_state_dict(ckpt: GGUFCheckpoint, config: ModelConfig, dtype: torch.dtyp
     state = {}
     permuted = ckpt.architecture in PERMUTED_QK_ARCHITECTURES
     for tensor in ckpt.reader.tensors:
+        if tensor.name in DERIVED_TENSORS:
+            continue
         name = hf_name(tensor.name) or tensor.name
         values = dequantize(tensor, ckpt.path)
         if not values.flags.writeable:  # F32 comes back as a view of the read-only memory map

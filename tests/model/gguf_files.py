@@ -26,14 +26,14 @@ K_QUANT_LAYOUT = {  # block bytes, offsets of the float16 scales (d, dmin) in a 
 }
 
 
-def tiny_model(variant: str, vocab_size: int, seed: int = 0, tied: bool = True) -> LlamaForCausalLM:
+def tiny_model(variant: str, vocab_size: int, seed: int = 0, tied: bool = True, **changes) -> LlamaForCausalLM:
     """A random model whose every matrix has rows of a multiple of 256 (the K-quant block)."""
-    _, model_type, changes = VARIANTS[variant]
+    _, model_type, variant_changes = VARIANTS[variant]
     fields = dict(vocab_size=vocab_size, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=256,
                   rms_norm_eps=1e-5, tie_word_embeddings=tied, model_type=model_type, bos_token_id=0,
                   eos_token_id=1)
-    fields.update(changes)
+    fields.update(variant_changes, **changes)
     config = ModelConfig.from_dict(fields)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
@@ -86,7 +86,8 @@ def tokenizer_metadata(tokenizer_json: Path) -> tuple[list[str], list[int], list
 
 
 def write_gguf(path: Path, model: LlamaForCausalLM, tokenizer_json: Path, variant: str, qtype: str,
-               pre: str = "default", chat_template: str | None = None, add_bos: bool = False, seed: int = 0) -> Path:
+               pre: str = "default", chat_template: str | None = None, add_bos: bool = False, seed: int = 0,
+               rope_freqs: np.ndarray | None = None) -> Path:
     """Write `model` (and the tokenizer) as a GGUF with every matrix in `qtype`. K-quant files hold random
     blocks instead of the model's weights (gguf cannot quantise to them); the others hold the model, rounded."""
     import gguf
@@ -120,6 +121,8 @@ def write_gguf(path: Path, model: LlamaForCausalLM, tokenizer_json: Path, varian
     if chat_template:
         writer.add_chat_template(chat_template)
     kind = gguf.GGMLQuantizationType[qtype]
+    if rope_freqs is not None:  # Llama 3.1+: the converter writes the rope scaling as a per-frequency divisor
+        writer.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
     for name, tensor in model.state_dict().items():
         if config.tie_word_embeddings and name == "lm_head.weight":
             continue

@@ -180,3 +180,29 @@ def test_llm_on_a_gguf_generates_as_on_the_hf_checkpoint(tiny_models, tmp_path):
     from_dir = LLM(model=tiny_models["target"], dtype="float32", device="cpu").generate(prompts, params)
     assert [o.outputs[0].token_ids for o in from_gguf] == [o.outputs[0].token_ids for o in from_dir]
     assert [o.prompt_token_ids for o in from_gguf] == [o.prompt_token_ids for o in from_dir]
+
+
+def test_llama3_rope_freqs(tiny_models, tmp_path):
+    """Llama 3.1+ GGUFs carry their rope scaling as a rope_freqs tensor: it becomes the llama3 rope_scaling."""
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    vocab = Tokenizer(tiny_models["target"]).vocab_size
+    source = tiny_model("llama", vocab, rope_scaling=scaling, rope_theta=500000.0)
+    plain = tiny_model("llama", vocab, rope_theta=500000.0).config
+    rope_freqs = (plain.inv_freq() / source.config.inv_freq()).numpy()
+    assert rope_freqs.min() == 1.0 and rope_freqs.max() == 8.0  # some frequencies are scaled, some not
+    path = write_gguf(tmp_path / "llama3.gguf", source, tiny_models["tok"] / "tokenizer.json", "llama", "F32",
+                      rope_freqs=rope_freqs)
+    ours = load_model(path, dtype="float32", device="cpu")
+    assert ours.config.rope_scaling == scaling
+    positions = torch.arange(200, 210).expand(2, 10)  # far positions, where the scaling matters
+    with torch.no_grad():
+        logits = ours(IDS, positions=positions).logits
+        torch.testing.assert_close(logits, source(IDS, positions=positions).logits, atol=1e-4, rtol=0)
+        unscaled = tiny_model("llama", vocab, rope_theta=500000.0)  # same weights (same seed), no scaling
+        assert (logits - unscaled(IDS, positions=positions).logits).abs().max() > 1e-3
+    damaged = write_gguf(tmp_path / "odd.gguf", source, tiny_models["tok"] / "tokenizer.json", "llama", "F32",
+                         rope_freqs=rope_freqs[::-1].copy())
+    with pytest.raises(ConfigError) as info:
+        load_model(damaged)
+    assert "rope_freqs tensor is not Llama 3 rope scaling" in one_line(info) and str(damaged) in str(info.value)
