@@ -231,6 +231,8 @@ def register(sub) -> None:
         p.add_argument("--max-tokens", type=int, default=2_000_000, help="training tokens in the feature cache")
         p.add_argument("--heldout-tokens", type=int, default=65536, help="held-out tokens for the card's figures")
         p.add_argument("--seq-len", type=int, default=1024, help="conversations are cut at this many tokens")
+        p.add_argument("--window", type=int, default=512, help="training windows: longer conversations are cut "
+                       "to a random window of this many tokens (attention cost grows with its square)")
         p.add_argument("--feature-dtype", default="bfloat16", help="dtype of the target's forward for features")
         p.add_argument("--draft-vocab", type=int, default=16384, help="tokens the head can propose")
         p.add_argument("--steps", type=int, default=2000)

@@ -117,7 +117,7 @@ def run(args) -> int:
                            checkpoint_every=25, log_every=5)
 
     def batch_at(step):
-        return features.sample_batch(shards, args.batch_tokens, cfg.seed, step, max_len=args.seq_len)
+        return features.sample_batch(shards, args.batch_tokens, cfg.seed, step, max_len=args.window)
 
     started = time.time()
     summary = loop.train(head, _loss_fn(kind, target, t2d, loss_cfg, args.bf16), batch_at, cfg, args.run_dir,

@@ -13,14 +13,14 @@ from specdecode.train import features, sharegpt
 
 
 def weights_digest(model) -> str:
-    """sha256 over the target's parameter names and float32 values: names the exact weights a speculator was
-    trained for, whatever file format or dtype they were loaded from."""
+    """sha256 over the target's parameter names and values rounded to bfloat16: names the weights a speculator
+    was trained for, whatever file format they came from and whether they were loaded in float32 or bfloat16."""
     digest = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
             continue
         digest.update(name.encode())
-        digest.update(tensor.detach().float().contiguous().numpy().tobytes())
+        digest.update(tensor.detach().to(torch.bfloat16).contiguous().view(torch.int16).numpy().tobytes())
     return digest.hexdigest()
 
 
