@@ -91,9 +91,13 @@ class EagleHead(nn.Module):
                 if k.startswith("fc.") or k.startswith("decoder.model.layers.")}
 
     def fuse(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-        """tokens [B, T] (target ids), features [B, T, D] -> layer inputs [B, T, D]."""
+        """tokens [B, T] (target ids), features [B, T, D] -> layer inputs [B, T, D].
+
+        Features go through the target's final norm first: the raw residual stream has outlier dimensions
+        thousands of times larger than the embeddings (SmolLM2: RMS ~25, one dimension ~4,700), and the head's
+        own predictions, fed back at the next depth, then need only be right up to scale."""
         emb = self.embed(tokens).to(features.dtype)
-        return self.fc(torch.cat([emb, features], dim=-1))
+        return self.fc(torch.cat([emb, self.decoder.model.norm(features)], dim=-1))
 
     def forward(self, tokens: torch.Tensor, features: torch.Tensor, **decoder_kwargs):
         """One cached forward: returns (next features [B, T, D] before the norm, draft logits [B, T, Vd])."""
