@@ -46,6 +46,13 @@ def register(sub) -> None:
     p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
     p.add_argument("--note", default="", help="free text for the report, e.g. what else ran on the machine")
+    p.add_argument("--speed", action="store_true",
+                   help="instead: plain decode tokens/s per dtype and linear backend (and int8) against transformers "
+                        "and the memory roofline, the cost of a pass over K = 1..16 tokens, batch-8 throughput; "
+                        "writes speed.md, speed.json, speed.png (one thread unless --threads)")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="with --speed: wall (default) or cpu, the thread's CPU time (for a machine shared with "
+                        "other jobs)")
     p.set_defaults(func=cmd_bench)
 
 
@@ -70,6 +77,8 @@ def cmd_bench(args) -> int:
         if args.threads < 1:
             raise ConfigError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
+    if args.speed:
+        return cmd_speed(args)
     target, draft = _checkpoints(args)
     chosen = {"prompts": args.prompts, "max_tokens": args.max_tokens,
               "num_speculative_tokens": args.num_speculative_tokens, "ngram_tokens": args.ngram_tokens,
@@ -84,6 +93,25 @@ def cmd_bench(args) -> int:
                     peers=not args.no_peers, note=args.note, **chosen)
     config = BenchConfig.quick(**settings) if args.quick else BenchConfig(**settings)
     paths = write_report(run_bench(config), config.out)
+    print(paths["report"].read_text())
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
+def cmd_speed(args) -> int:
+    import torch
+
+    from specdecode.bench.speed import SpeedConfig, run_speed
+    from specdecode.bench.speed_report import write_speed_report
+
+    if args.threads is None:
+        torch.set_num_threads(1)  # the measurements are one-thread
+    target, _ = _checkpoints(args)
+    config = SpeedConfig(model=target, tokens=args.max_tokens or (48 if args.quick else 128),
+                         rounds=1 if args.quick else 3, max_verify=8 if args.quick else 16,
+                         peers=not args.no_peers, device=args.device or "cpu", clock=args.clock,
+                         speculation=not args.quick)
+    paths = write_speed_report(run_speed(config), args.out)
     print(paths["report"].read_text())
     print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 0

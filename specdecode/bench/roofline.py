@@ -10,6 +10,9 @@ import time
 
 import torch
 
+from torch import nn
+
+from specdecode.model.linear import PackedLinear
 from specdecode.model.llama import LlamaForCausalLM
 
 
@@ -31,12 +34,20 @@ def measure_read_bandwidth(bytes_: int = 512 * 2**20, repeats: int = 5, device: 
 
 
 def weight_bytes_per_step(model: LlamaForCausalLM) -> int:
-    """Bytes of weights one decode step reads: every parameter, except that an untied input embedding
-    contributes one row (the lookup) rather than the whole table."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())  # parameters() counts tied ones once
+    """Bytes of weights one decode step reads: every linear layer's weight in the form its kernel reads (an int8
+    copy one byte a weight), every other parameter, except that an untied input embedding contributes one row
+    (the lookup) rather than the whole table."""
+    total, counted = 0, set()
+    for module in model.modules():
+        if isinstance(module, nn.Linear | PackedLinear):
+            total += module.bytes_read() if isinstance(module, PackedLinear) else sum(
+                t.numel() * t.element_size() for t in (module.weight, module.bias) if t is not None)
+            counted.update(id(t) for t in (module.weight, module.bias) if t is not None)
     embedding = model.model.embed_tokens.weight
-    if embedding is not model.lm_head.weight:
-        total -= (embedding.shape[0] - 1) * embedding.shape[1] * embedding.element_size()
+    for p in model.parameters():  # parameters() yields tied ones once
+        if id(p) in counted:
+            continue
+        total += embedding.shape[1] * p.element_size() if p is embedding else p.numel() * p.element_size()
     return total
 
 

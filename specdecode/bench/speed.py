@@ -32,6 +32,21 @@ QUESTIONS = ("Explain how a hash table works.", "What are the main causes of inf
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
 
+SPEC_PROMPT = """Add type hints to this function and return the whole function.
+
+```python
+def merge_intervals(intervals):
+    intervals = sorted(intervals, key=lambda pair: pair[0])
+    merged = []
+    for start, end in intervals:
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return merged
+```"""
+"""A request whose answer copies much of the prompt: where prompt lookup has something to find."""
+
 GOALS = {"plain_fp32_vs_hf_fp32": 1.6, "plain_bf16_vs_hf_fp32": 2.5, "roofline_share": 0.8, "verify_8": 1.4,
          "batch_8": 4.0}
 """The speed issue's goals (ratios; verify_8 is an upper bound, the rest lower bounds)."""
@@ -49,14 +64,17 @@ class SpeedConfig:
     """Interleaved rounds of generation; the fastest run of each configuration counts."""
     dtypes: tuple[str, ...] = ("float32", "bfloat16")
     """Weight dtypes to time (bfloat16 is skipped where the CPU has no native bfloat16)."""
-    backends: tuple[str, ...] = ("onednn", "plain")
-    """Linear backends (model/linear.py); one this machine lacks is skipped."""
+    backends: tuple[str, ...] = ("onednn", "plain", "int8")
+    """Linear backends (model/linear.py), "int8" meaning weight-only int8 (reduced-precision dtypes only); one
+    this machine lacks is skipped."""
     max_verify: int = 16
     """Passes over K = 1..max_verify new tokens are timed."""
     batch: int = 8
     """Batch size whose plain throughput is compared with batch 1."""
     peers: bool = True
     """Also time transformers' generate() in float32, the goals' reference."""
+    speculation: bool = True
+    """Also time prompt-lookup speculation against plain decoding in every configuration but "plain"."""
     device: str = "cpu"
     """Device to run on."""
     clock: str = "wall"
@@ -96,6 +114,8 @@ def configurations(config: SpeedConfig) -> list[tuple[str, str]]:
         for backend in config.backends:
             if backend == "onednn" and not onednn_supports(device, DTYPES[dtype]):
                 continue
+            if backend == "int8" and dtype == "float32":
+                continue  # int8 needs reduced-precision activations (see model/linear.py)
             pairs.append((dtype, backend))
     return pairs
 
@@ -133,18 +153,22 @@ def pass_costs(models: dict, ks: list[int], context: int, repeats: int = 5, call
     for name, model in models.items():
         caches[name] = cache = model.make_cache(1, context + max(ks) + 1)
         generator = torch.Generator().manual_seed(0)
-        model(torch.randint(0, model.config.vocab_size, (1, context), generator=generator), cache=cache)
+        model(torch.randint(0, model.config.vocab_size, (1, context), generator=generator).to(model.device),
+              cache=cache)
         cache.advance(torch.tensor([0]), context)
-        inputs[name] = {k: (torch.randint(0, model.config.vocab_size, (1, k), generator=generator),
-                            torch.ones(k, k, dtype=torch.bool).tril()[None]) for k in ks}
+        inputs[name] = {k: (torch.randint(0, model.config.vocab_size, (1, k), generator=generator).to(model.device),
+                            torch.ones(k, k, dtype=torch.bool, device=model.device).tril()[None]) for k in ks}
     best = {name: {k: float("inf") for k in ks} for name in models}
     for _ in range(repeats):
         for name, model in models.items():
+            sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
             for k, (ids, mask) in inputs[name].items():
                 model(ids, cache=caches[name], tree_mask=mask)  # warm: the first call of a shape allocates
+                sync()
                 start = now()
                 for _ in range(calls):
                     model(ids, cache=caches[name], tree_mask=mask)
+                sync()
                 best[name][k] = min(best[name][k], (now() - start) / calls)
     return best
 
@@ -163,6 +187,41 @@ def time_batches(llm: LLM, prompts: list[list[int]], tokens: int, rounds: int, n
     return {"batch": len(prompts), "batch1_tokens_per_s": one, "batch_tokens_per_s": many, "ratio": many / one}
 
 
+def build(config: SpeedConfig, dtype: str, backend: str, speculative_config: dict | None = None) -> LLM:
+    """An engine with this dtype and linear backend ("int8": weight-only int8)."""
+    llm = LLM(config.model, dtype=dtype, device=config.device, max_num_seqs=max(1, config.batch),
+              speculative_config=speculative_config)
+    int8 = backend == "int8"
+    prepare_for_inference(llm.target, "auto" if int8 else backend, quantization="int8" if int8 else None)
+    return llm
+
+
+def time_speculation(config: SpeedConfig, pairs: list[tuple[str, str]], now) -> dict:
+    """Plain vs prompt-lookup (`ngram`, K = 8) tokens/s on a prompt that invites copying, per configuration,
+    interleaved: speculation composed with each dtype, backend and quantization."""
+    spec_config = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    engines = {}
+    for dtype, backend in pairs:
+        for mode, spec in (("plain", None), ("ngram", spec_config)):
+            llm = build(config, dtype, backend, spec)
+            run = (lambda llm: lambda ids, n: trace_generate(llm, ids, SamplingParams(
+                temperature=0, max_tokens=n, ignore_eos=True)))(llm)
+            engines[(label(dtype, backend), mode)] = (llm, run)
+    ids = next(iter(engines.values()))[0].tokenizer.encode_chat([{"role": "user", "content": SPEC_PROMPT}])
+    timed = time_decode({k: run for k, (_, run) in engines.items()}, ids, config.tokens, config.rounds, now)
+    out = {}
+    for (name, mode), (llm, _) in engines.items():
+        row = out.setdefault(name, {})
+        row[f"{mode}_tokens_per_s"] = timed[(name, mode)]["tokens_per_s"]
+        if mode == "ngram":
+            stats = llm.total_stats
+            row["acceptance_rate"] = stats.acceptance_rate if stats.draft_tokens else None
+            row["same_tokens"] = timed[(name, "ngram")]["token_ids"] == timed[(name, "plain")]["token_ids"]
+    for row in out.values():
+        row["speedup"] = row["ngram_tokens_per_s"] / row["plain_tokens_per_s"]
+    return {"prompt_tokens": len(ids), "rows": out}
+
+
 def run_speed(config: SpeedConfig, log=print) -> dict:
     """Run every measurement; returns what speed.json holds."""
     start = time.perf_counter()
@@ -172,9 +231,7 @@ def run_speed(config: SpeedConfig, log=print) -> dict:
     llms = {}
     for dtype, backend in pairs:
         log(f"loading {label(dtype, backend)}")
-        llm = LLM(config.model, dtype=dtype, device=config.device, max_num_seqs=max(1, config.batch))
-        prepare_for_inference(llm.target, backend)
-        llms[label(dtype, backend)] = llm
+        llms[label(dtype, backend)] = build(config, dtype, backend)
     first = next(iter(llms.values()))
     ids = chat_ids(first, QUESTIONS[0])
     params = SamplingParams(temperature=0, max_tokens=config.tokens, ignore_eos=True)
@@ -226,15 +283,19 @@ def run_speed(config: SpeedConfig, log=print) -> dict:
     if config.batch > 1:
         prompts = [chat_ids(first, QUESTIONS[i % len(QUESTIONS)]) for i in range(config.batch)]
         for name, llm in llms.items():
-            if decode[name]["backend"] == "onednn" or len(llms) == 1:
+            if decode[name]["backend"] != "plain" or len(llms) == 1:
                 log(f"batch {config.batch} vs 1: {name}")
                 batch[name] = time_batches(llm, prompts, config.tokens, config.rounds, config.now)
+    speculation = {}
+    if config.speculation:
+        log("plain vs prompt lookup, per configuration")
+        speculation = time_speculation(config, [p for p in pairs if p[1] != "plain"], config.now)
     if hasattr(os, "getloadavg"):
         info["load_average_end"] = os.getloadavg()[0]
     info["wall_seconds"] = time.perf_counter() - start
     return {"machine": info, "settings": {**dataclasses.asdict(config), "model": str(config.model)},
             "prompt_tokens": len(ids), "bandwidth_gb_s": bandwidth / 1e9, "decode": decode, "verify": verify,
-            "batch": batch, "goals": goals(decode, verify, batch)}
+            "batch": batch, "speculation": speculation, "goals": goals(decode, verify, batch)}
 
 
 def goals(decode: dict, verify: dict, batch: dict) -> list[dict]:
@@ -250,11 +311,11 @@ def goals(decode: dict, verify: dict, batch: dict) -> list[dict]:
             out.append(dict(goal=key, config=name, value=best[dtype]["tokens_per_s"] / hf["tokens_per_s"],
                             target=GOALS[key], met=best[dtype]["tokens_per_s"] / hf["tokens_per_s"] >= GOALS[key]))
     for name, r in ours.items():
-        if r["backend"] == "onednn" or len(ours) == 1:
+        if r["backend"] != "plain" or len(ours) == 1:
             out.append(dict(goal="roofline_share", config=name, value=r["roofline_share"],
                             target=GOALS["roofline_share"], met=r["roofline_share"] >= GOALS["roofline_share"]))
     for name, v in verify.items():
-        if 8 in v["relative"] and (ours[name]["backend"] == "onednn" or len(ours) == 1):
+        if 8 in v["relative"] and (ours[name]["backend"] != "plain" or len(ours) == 1):
             rel = v["relative"][8]
             out.append(dict(goal="verify_8", config=name, value=rel, target=GOALS["verify_8"],
                             met=rel <= GOALS["verify_8"]))

@@ -5,6 +5,7 @@ On x86 CPUs, oneDNN's prepacked weights (`torch.ops.mkldnn._reorder_linear_weigh
 `torch.ops.mkldnn._linear_pointwise` per call) read a weight matrix 1.7-1.9x faster than `F.linear` in the
 matrix-vector products of decoding, and cost less than `F.linear` when several tokens are verified at once
 (measured: docs/bench/speed.md). Elsewhere (CUDA, other CPUs) the plain matmul is the fast path already.
+Weight-only int8 (quantization="int8") is the same kind of swap.
 """
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from torch import nn
 from specdecode.errors import ConfigError
 
 BACKENDS = ("auto", "onednn", "plain")
+QUANTIZATIONS = (None, "int8")
+"""Weight quantizations (vLLM's --quantization): None, or weight-only int8 (Int8Linear)."""
 
 
 def onednn_supports(device: torch.device, dtype: torch.dtype) -> bool:
@@ -47,14 +50,16 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> s
 
 
 class PackedLinear(nn.Module):
-    """nn.Linear whose weight is also held in oneDNN's blocked layout, for inference.
+    """nn.Linear with a second, derived copy of its weight in a faster form, for inference (subclasses say which).
 
     `weight` and `bias` stay the original Parameters (the same objects, so ties, state dicts, save_model and
-    training see no difference); the packed copy is derived from them. Whatever needs autograd or autocast, and
-    training mode, runs the plain F.linear on the originals. The copy is rebuilt whenever it could be stale:
-    on eval() (after training), after load_state_dict and after .to(). The price is a second copy of the
-    weights in memory, never read by the plain path.
+    training see no difference). Whatever needs autograd or autocast, and training mode, runs the plain F.linear
+    on the originals. The copy is rebuilt whenever it could be stale: on eval() (after training), after
+    load_state_dict and after .to(). The price is a second copy of the weights in memory, never read by the
+    plain path.
     """
+
+    backend = "plain"
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -62,23 +67,31 @@ class PackedLinear(nn.Module):
         self.weight = linear.weight  # [out, in]
         self.bias = linear.bias  # [out] or None
         self.training = linear.training
-        self.packed: torch.Tensor | None = None  # oneDNN blocked layout of weight; None = use F.linear
+        self.packed = None  # the derived weight; None = F.linear (this device or dtype has no fast kernel)
         self.repack()
 
+    def pack(self, weight: torch.Tensor):
+        """The derived weight of weight [out, in], or None where the kernel cannot run."""
+        raise NotImplementedError
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, in] (contiguous) -> [M, out] with the derived weight."""
+        raise NotImplementedError
+
     def repack(self) -> None:
-        weight = self.weight.detach()
-        if onednn_supports(weight.device, weight.dtype):
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight)
-        else:
-            self.packed = None
+        self.packed = self.pack(self.weight.detach())
+
+    def bytes_read(self) -> int:
+        """Bytes of weights one call reads (the derived copy's, where it is used)."""
+        return sum(t.numel() * t.element_size() for t in (self.weight, self.bias) if t is not None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out]."""
         if (self.packed is None or self.training or torch.is_grad_enabled()
                 or torch.is_autocast_enabled(x.device.type)):
             return F.linear(x, self.weight, self.bias)
-        # The kernel reads x's memory as a dense row-major matrix: a strided view would give wrong numbers.
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+        # The kernels read x's memory as a dense row-major matrix: a strided view would give wrong numbers.
+        return self.kernel(x.reshape(-1, self.in_features).contiguous()).view(*x.shape[:-1], self.out_features)
 
     def train(self, mode: bool = True) -> "PackedLinear":
         was_training = self.training
@@ -97,9 +110,47 @@ class PackedLinear(nn.Module):
         self.repack()
 
     def extra_repr(self) -> str:
-        backend = "onednn" if self.packed is not None else "plain"
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, " \
-               f"backend={backend}"
+               f"backend={self.backend if self.packed is not None else 'plain'}"
+
+
+class OneDNNLinear(PackedLinear):
+    """The weight in oneDNN's blocked layout (x86 CPUs): `torch.ops.mkldnn._reorder_linear_weight` once, then
+    `torch.ops.mkldnn._linear_pointwise` per call."""
+
+    backend = "onednn"
+
+    def pack(self, weight: torch.Tensor):
+        if not onednn_supports(weight.device, weight.dtype):
+            return None
+        return torch.ops.mkldnn._reorder_linear_weight(weight)
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+class Int8Linear(PackedLinear):
+    """Weight-only int8: each output row stored as int8 with one scale (symmetric, absmax / 127), multiplied by
+    `torch.ops.aten._weight_int8pack_mm` with activations in the model's dtype. Half the bytes of bfloat16 per
+    decode step; rounding each weight to 1/254 of its row's largest changes the logits a little."""
+
+    backend = "int8"
+
+    def pack(self, weight: torch.Tensor):
+        # The scale is rounded to the activations' dtype first, so that the int8 values fit the scale the kernel uses.
+        scale = (weight.float().abs().amax(dim=1).clamp_min(1e-12) / 127).to(weight.dtype)  # [out]
+        quantized = (weight.float() / scale.float()[:, None]).round().clamp(-127, 127).to(torch.int8)  # [out, in]
+        return quantized, scale
+
+    def bytes_read(self) -> int:
+        if self.packed is None:
+            return super().bytes_read()
+        bias = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
+        return sum(t.numel() * t.element_size() for t in self.packed) + bias
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.ops.aten._weight_int8pack_mm(x, *self.packed)
+        return out if self.bias is None else out + self.bias
 
 
 def _swap_linears(model: nn.Module, make) -> None:
@@ -120,22 +171,31 @@ def _plain(module: nn.Module) -> nn.Module:
     return linear
 
 
-def prepare_for_inference(model: nn.Module, backend: str = "auto") -> nn.Module:
+def prepare_for_inference(model: nn.Module, backend: str = "auto", quantization: str | None = None) -> nn.Module:
     """Give every nn.Linear of `model` (a target, a draft or a head) the linear backend: 'onednn' packs the
-    weights once (x86 CPU), 'plain' restores nn.Linear, 'auto' picks the platform's fast one. Returns model.
+    weights once (x86 CPU), 'plain' restores nn.Linear, 'auto' picks the platform's fast one; quantization
+    'int8' makes them weight-only int8 instead (whatever the backend). Returns model.
 
     Reversible and idempotent; parameters, their names and state_dict() do not change."""
+    if quantization not in QUANTIZATIONS:
+        raise ConfigError(f"quantization {quantization!r} is not supported; use one of: "
+                          f"{', '.join(str(q) for q in QUANTIZATIONS)}")
     weight = next((m.weight for m in model.modules() if isinstance(m, nn.Linear | PackedLinear)), None)
     if weight is None:
         return model
     backend = resolve_backend(backend, weight.device, weight.dtype)
     _swap_linears(model, _plain)
-    if backend == "onednn":
-        _swap_linears(model, lambda m: PackedLinear(m) if type(m) is nn.Linear else m)
+    if quantization == "int8":
+        if weight.device.type == "cpu" and weight.dtype == torch.float32:
+            raise ConfigError("int8 weight-only matrix products need bfloat16 (or float16) activations on CPU; with "
+                              "float32 ones they run 9x slower than float32 weights. Use dtype bfloat16.")
+        _swap_linears(model, lambda m: Int8Linear(m) if type(m) is nn.Linear else m)
+    elif backend == "onednn":
+        _swap_linears(model, lambda m: OneDNNLinear(m) if type(m) is nn.Linear else m)
     return model
 
 
 def linear_backend(model: nn.Module) -> str:
-    """'onednn' if the model's linear layers run prepacked, else 'plain'."""
-    packed = any(isinstance(m, PackedLinear) and m.packed is not None for m in model.modules())
-    return "onednn" if packed else "plain"
+    """How the model's linear layers run: 'onednn', 'int8' or 'plain'."""
+    packed = [m for m in model.modules() if isinstance(m, PackedLinear) and m.packed is not None]
+    return packed[0].backend if packed else "plain"

@@ -6,7 +6,7 @@ from torch import nn
 from specdecode.errors import ConfigError
 from specdecode.hardware import cpu_has_native_bf16
 from specdecode.model.config import ModelConfig
-from specdecode.model.linear import PackedLinear, linear_backend, onednn_supports, prepare_for_inference
+from specdecode.model.linear import OneDNNLinear, PackedLinear, linear_backend, onednn_supports, prepare_for_inference
 from specdecode.model.llama import LlamaForCausalLM
 from specdecode.model.loading import load_model, resolve_dtype, save_model
 
@@ -37,7 +37,7 @@ IDS = torch.randint(0, 101, (2, 7), generator=torch.Generator().manual_seed(1))
 @pytest.mark.parametrize("shape", [(1, 64), (9, 64), (2, 5, 64)])
 def test_packed_linear_matches_f_linear(shape):
     linear = nn.Linear(64, 48)
-    packed = PackedLinear(linear)
+    packed = OneDNNLinear(linear)
     x = torch.randn(*shape)
     with torch.no_grad():
         assert (packed(x) - linear(x)).abs().max() <= 1e-5
@@ -172,3 +172,34 @@ def test_hf_parity_through_each_backend(tmp_path, backend):
             pieces.append(ours(ids[:, start:stop], cache=cache).logits[0])
             cache.advance(torch.tensor([0]), stop - start)
     assert (torch.cat(pieces) - ref).abs().max() <= 1e-4
+
+
+def test_int8_weight_only_matches_its_dequantized_weights():
+    from specdecode.model.linear import Int8Linear
+
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48).to(torch.bfloat16)
+    int8 = Int8Linear(linear)
+    q, scale = int8.packed
+    assert q.dtype == torch.int8 and q.shape == (48, 64) and scale.shape == (48,)
+    dequantized = q.float() * scale.float()[:, None]
+    assert (dequantized - linear.weight.float()).abs().max() <= scale.float().max() / 2 + 1e-6  # half a step
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    with torch.no_grad():
+        expected = x.float() @ dequantized.t() + linear.bias.float()
+        assert (int8(x).float() - expected).abs().max() <= 0.05 * expected.abs().max()
+
+
+def test_int8_model_keeps_parameters_and_is_refused_in_float32():
+    model = tiny_model().to(torch.bfloat16)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    reference = logits(model, IDS)
+    prepare_for_inference(model, quantization="int8")
+    assert linear_backend(model) == "int8"
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    quantized = logits(model, IDS)
+    assert (quantized - reference).abs().max() <= 0.1 * reference.abs().max()
+    with pytest.raises(ConfigError, match="bfloat16"):
+        prepare_for_inference(tiny_model(), quantization="int8")
+    with pytest.raises(ConfigError, match="not supported"):
+        prepare_for_inference(tiny_model(), quantization="int4")
