@@ -228,6 +228,8 @@ def register(sub) -> None:
                        help="feature cache (built here when missing; shared by eagle and medusa)")
         p.add_argument("--run-dir", type=Path, default=Path(f"runs/{kind}"), help="checkpoints and the loss log")
         p.add_argument("--resume", action="store_true", help="continue from the run folder's checkpoint")
+        p.add_argument("--export-only", action="store_true",
+                       help="write the speculator from the run folder's last checkpoint without training further")
         p.add_argument("--max-tokens", type=int, default=2_000_000, help="training tokens in the feature cache")
         p.add_argument("--heldout-tokens", type=int, default=65536, help="held-out tokens for the card's figures")
         p.add_argument("--seq-len", type=int, default=1024, help="conversations are cut at this many tokens")

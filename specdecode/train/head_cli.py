@@ -120,11 +120,17 @@ def run(args) -> int:
         return features.sample_batch(shards, args.batch_tokens, cfg.seed, step, max_len=args.window)
 
     started = time.time()
-    summary = loop.train(head, _loss_fn(kind, target, t2d, loss_cfg, args.bf16), batch_at, cfg, args.run_dir,
-                         resume=args.resume, desc=f"train {kind}")
+    if args.export_only:  # a run stopped before its schedule ended: export its last checkpoint as it is
+        ckpt = torch.load(loop.checkpoint_path(args.run_dir), map_location="cpu", weights_only=False)
+        head.load_state_dict(ckpt["model"])
+        summary = {k: ckpt[k] for k in ("step", "tokens_seen", "wall_time_s")}
+    else:
+        summary = loop.train(head, _loss_fn(kind, target, t2d, loss_cfg, args.bf16), batch_at, cfg, args.run_dir,
+                             resume=args.resume, desc=f"train {kind}")
+    summary["scheduled_steps"] = cfg.steps
     accuracy = heldout_accuracy(kind, head, held, t2d, target, loss_cfg)
     data = json.loads((args.features / "data.json").read_text())
-    argv = [a for a in sys.argv[1:] if a != "--resume"]
+    argv = [a for a in sys.argv[1:] if a not in ("--resume", "--export-only")]
     info = {"kind": kind, "command": "specdecode " + " ".join(shlex.quote(a) for a in argv),
             "target": str(args.model), "target_sha256": digest, "data": data,
             "draft_vocab_size": len(d2t), "train": summary, "this_run_wall_time_s": round(time.time() - started, 1),
@@ -181,7 +187,8 @@ once from the frozen target.
 
 ## Training
 
-{info["train"]["step"]} steps, {info["train"]["tokens_seen"]} tokens seen, {info["train"]["wall_time_s"] / 60:.1f}
+{info["train"]["step"]} steps (of a {info["train"]["scheduled_steps"]}-step schedule; fewer means the run was stopped
+for time and its last checkpoint exported), {info["train"]["tokens_seen"]} tokens seen, {info["train"]["wall_time_s"] / 60:.1f}
 minutes of training on this machine (features excluded). Draft vocabulary: the {info["draft_vocab_size"]} tokens
 the target most often predicts in the cached answers.
 
