@@ -237,7 +237,13 @@ class AsyncEngine:
                 self._forget(request_id)
             if scheduler.can_progress:
                 self._busy_since = self._clock()
-                self._publish(scheduler.step())
+                out = scheduler.step()
+                try:
+                    self._publish(out)
+                except Exception as exc:  # a bug in the bookkeeping: the requests of this iteration fail, not all
+                    for seq in out.prefilled + out.stepped + [seq for seq, _ in out.failed]:
+                        scheduler.abort(seq.request_id)
+                        self._fail(seq, exc)
                 self._busy_since = None
             problem = scheduler.slot_problem()
             if problem is not None and problem != self._problem:
@@ -315,6 +321,8 @@ class AsyncEngine:
 
     def _fail(self, seq: Sequence, exc: Exception) -> None:
         """One request failed inside the engine: log why, tell its client only that it failed."""
+        if seq.request_id not in self._requests:  # already answered (or aborted)
+            return
         error_id = uuid.uuid4().hex[:12]
         log.error("request %s failed (error %s)", seq.request_id, error_id,
                   exc_info=(type(exc), exc, exc.__traceback__))

@@ -161,6 +161,28 @@ def test_failing_requests_never_leak_slots(engine, monkeypatch):
     assert engine.health() is None
 
 
+def test_a_bug_in_the_bookkeeping_fails_that_iteration_only(engine, monkeypatch):
+    real = engine.metrics.record_step
+    calls = []
+
+    def record_step(*args):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("a bug in the metrics")
+        return real(*args)
+
+    monkeypatch.setattr(engine.metrics, "record_step", record_step)
+
+    async def main():
+        with pytest.raises(RequestFailed):
+            await collect(engine.add_request("import os", SamplingParams(temperature=0, max_tokens=8)))
+        return await collect(engine.add_request("import os", SamplingParams(temperature=0, max_tokens=8)))
+
+    assert len(asyncio.run(main())[1]) == 8
+    assert engine.wait_idle(WAIT) and len(engine.scheduler.free) == engine.llm.max_num_seqs
+    assert engine.health() is None
+
+
 class FakeClock:
     def __init__(self):
         self.now = 1000.0

@@ -17,7 +17,7 @@ from specdecode.server.limits import ServerLimits
 from .conftest import WAIT, running_server
 
 LIMITS = ServerLimits(max_body_bytes=4096, max_messages=4, max_stop_strings=2, max_stop_chars=8, max_prompt_tokens=40,
-                      body_timeout=0.3, header_timeout=0.3)
+                      body_timeout=2.0, header_timeout=1.0)
 JSON = {"Content-Type": "application/json"}
 
 

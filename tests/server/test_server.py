@@ -218,9 +218,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(server, monkeypatch
     with httpx.Client(timeout=WAIT) as http:
         with http.stream("POST", server.url + "/v1/completions", json=body) as response:
             assert response.status_code == 200
-            for line in response.iter_lines():
-                if line.startswith("data:"):
-                    break  # read one event, then hang up
+            assert gate.entered.wait(WAIT)  # the request is being generated: now hang up
     assert gate.aborted.wait(WAIT), "the server did not notice the client leave"
     gate.opened.set()
     assert server.engine.wait_idle(WAIT)
@@ -271,7 +269,10 @@ def test_requests_beyond_the_queue_limit_are_refused(small_server, monkeypatch):
     body = {"prompt": "import os", "max_tokens": 400, "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=WAIT, headers=headers) as http:
         with http.stream("POST", small_server.url + "/v1/completions", json=body) as response:
-            next(response.iter_lines())  # the long request now holds the only slot
+            assert response.status_code == 200
+            # Inside its first decode step, the long request holds the only slot. (Waiting for its first event
+            # instead could wait for ever: a token that ends in part of a UTF-8 character sends no text yet.)
+            assert gate.entered.wait(WAIT)
             refused = http.post(small_server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
             assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
             assert refused.json()["error"]["code"] == "queue_full"
