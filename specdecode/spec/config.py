@@ -3,8 +3,6 @@ methods: adding one is a proposer file plus a builder here)."""
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import math
 from pathlib import Path
 
@@ -145,9 +143,10 @@ def _draft_model(config: SpeculativeConfig, target, target_tokenizer, dtype, dev
                               draft)
 
 
-def _load_head(config: SpeculativeConfig, target, target_dir: Path | None, kind: str):
+def _load_head(config: SpeculativeConfig, target, kind: str):
     from specdecode.model.linear import linear_backend, prepare_for_inference
     from specdecode.spec.heads import HeadConfig, load_head
+    from specdecode.train.speculators import weights_digest
 
     if not config.model:
         raise ConfigError(f'the {kind} method needs "model" (--speculative-model): a speculator directory written '
@@ -157,22 +156,22 @@ def _load_head(config: SpeculativeConfig, target, target_dir: Path | None, kind:
     if found != kind:
         raise ConfigError(f"{folder} holds a speculator of kind {found!r}, not {kind!r}: use --speculative-method "
                           f"{found} (method {found!r})")
-    head = load_head(folder, target, target_digest(target, target_dir))
+    head = load_head(folder, target, weights_digest(target))  # ~1 s for SmolLM2
     return prepare_for_inference(head, linear_backend(target))  # the target's linear kernels
 
 
-def _eagle(config: SpeculativeConfig, target, _tokenizer, _dtype, _device, target_dir):
+def _eagle(config: SpeculativeConfig, target, *_):
     from specdecode.spec.proposers.eagle import EagleConfig, EagleProposer
 
-    head = _load_head(config, target, target_dir, "eagle")
+    head = _load_head(config, target, "eagle")
     eagle = EagleConfig(str(config.model), config.num_speculative_tokens, config.eagle_topk, config.nodes_per_level)
     return EagleProposer(eagle, head, target.config.num_hidden_layers)
 
 
-def _medusa(config: SpeculativeConfig, target, _tokenizer, _dtype, _device, target_dir):
+def _medusa(config: SpeculativeConfig, target, *_):
     from specdecode.spec.proposers.medusa import MedusaConfig, MedusaProposer, read_accuracy
 
-    heads = _load_head(config, target, target_dir, "medusa")
+    heads = _load_head(config, target, "medusa")
     medusa = MedusaConfig(str(config.model), config.num_speculative_tokens, config.tree_nodes)
     return MedusaProposer(medusa, heads, read_accuracy(Path(config.model), len(heads.blocks)))
 
@@ -180,34 +179,3 @@ def _medusa(config: SpeculativeConfig, target, _tokenizer, _dtype, _device, targ
 BUILDERS = {"draft_model": _draft_model, "ngram": _ngram, "eagle": _eagle, "medusa": _medusa}
 """Method name -> builder(config, target, target_tokenizer, dtype, device, target_dir) of its proposer."""
 
-
-def target_digest(target, target_dir: Path | None) -> str:
-    """The sha256 that speculators record for their target: weights_digest of its float32 weights. A target
-    loaded in float32 is hashed as it is; one loaded in another dtype is reloaded from its checkpoint in float32
-    once, and the digest is kept in the cache (keyed by the checkpoint's path, sizes and modification times)."""
-    import torch
-
-    from specdecode.train.speculators import weights_digest
-
-    if target.dtype == torch.float32 or target_dir is None:
-        return weights_digest(target)
-    from specdecode.model.loading import load_model
-    from specdecode.models.registry import cache_dir
-
-    target_dir = Path(target_dir).resolve()
-    files = sorted(target_dir.iterdir()) if target_dir.is_dir() else [target_dir]
-    signature = [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files if f.is_file()]
-    record = cache_dir() / "digests" / (hashlib.sha256(str(target_dir).encode()).hexdigest()[:32] + ".json")
-    try:
-        saved = json.loads(record.read_text())
-        if saved["signature"] == signature:
-            return saved["sha256"]
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    digest = weights_digest(load_model(target_dir, dtype=torch.float32, device="cpu"))
-    try:
-        record.parent.mkdir(parents=True, exist_ok=True)
-        record.write_text(json.dumps({"path": str(target_dir), "signature": signature, "sha256": digest}))
-    except OSError:
-        pass  # a read-only cache only costs the reload next time
-    return digest

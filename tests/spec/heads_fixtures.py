@@ -1,6 +1,6 @@
-"""Speculator heads for the tests: trained for a few seconds on a tiny target's own text (so that they are accepted
-often), built to copy a one-layer target, or left random, and saved as speculator directories; and a wrong
-verifier for negative controls."""
+"""Speculator heads for the tests (trained for a few seconds on a tiny target's own text, or built to copy a target
+that is in effect one layer deep, so that they are accepted often; or left random), saved as speculator
+directories; chi-square runs and a wrong verifier for negative controls."""
 from __future__ import annotations
 
 import json
@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specdecode.model.loading import load_model
+from specdecode.model.loading import load_model, save_model
 from specdecode.spec.heads import EagleHead, HeadConfig, MedusaHeads, save_head
 from specdecode.spec.verify import VerifyResult, verify_sampling
 from specdecode.train.speculators import weights_digest
@@ -27,28 +27,6 @@ def target_text(target, prompts: int, length: int, seed: int = 0, sample: bool =
             next_ids = torch.multinomial(logits.softmax(-1), 1, generator=gen) if sample else logits.argmax(-1, True)
             ids = torch.cat([ids, next_ids], dim=1)
     return ids
-
-
-def train_eagle(target, draft_to_target: torch.Tensor, text: torch.Tensor, steps: int = 150) -> EagleHead:
-    """Teacher-forced EAGLE-1 training: entry j = (x_{j+1}, f_j) learns f_{j+1} and the target's token x_{j+2}."""
-    torch.manual_seed(0)
-    head = EagleHead(target, draft_to_target)
-    layer = target.config.num_hidden_layers - 1
-    with torch.no_grad():
-        out = target(text, hidden_layers=(layer,))
-    features, labels = out.layer_hidden[layer], out.logits.argmax(-1)  # [N, T, D], [N, T]
-    to_draft = torch.full((target.config.vocab_size,), -100, dtype=torch.long)
-    to_draft[draft_to_target] = torch.arange(len(draft_to_target))
-    norm = target.model.norm
-    opt = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=3e-3)
-    for _ in range(steps):
-        predicted, logits = head(text[:, 1:], features[:, :-1])  # [N, T - 1, D], [N, T - 1, Vd]
-        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), to_draft[labels[:, 1:-1]].reshape(-1))
-        loss = loss + F.smooth_l1_loss(norm(predicted[:, :-1]), norm(features[:, 1:-1]).detach())
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return head.eval()
 
 
 def train_medusa(target, draft_to_target: torch.Tensor, text: torch.Tensor, num_heads: int,
@@ -92,18 +70,27 @@ def load_target(model_dir: Path):
 
 
 def copy_head(target, draft_to_target: torch.Tensor) -> EagleHead:
-    """For a one-layer target: a head that is the target itself, by construction (fc passes the token's embedding
-    through, the decoder layer is the target's), so its guesses are the target's own (but for the attention to
-    the first token, which the head's cache has no entry for)."""
-    if target.config.num_hidden_layers != 1:
-        raise ValueError("copy_head needs a one-layer target")
+    """For a target whose layers but the last pass their input through (see keep_last_layer): a head that is the
+    target itself, by construction (fc passes the token's embedding through, the decoder layer is the target's
+    last), so its guesses are the target's own, but for the attention to the first token, which the head's cache
+    has no entry for."""
     head = EagleHead(target, draft_to_target)
     d = target.config.hidden_size
     with torch.no_grad():
         head.fc.weight.copy_(torch.cat([torch.eye(d), torch.zeros(d, d)], dim=1))
         head.fc.bias.zero_()
-        head.decoder.model.layers[0].load_state_dict(target.model.layers[0].state_dict())
+        head.decoder.model.layers[0].load_state_dict(target.model.layers[-1].state_dict())
     return head.eval()
+
+
+def keep_last_layer(model_dir: Path) -> None:
+    """Rewrite a checkpoint so that every decoder layer but the last adds nothing to the residual stream."""
+    model = load_target(model_dir)
+    with torch.no_grad():
+        for layer in model.model.layers[:-1]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    save_model(model, model_dir, dtype=torch.float32)
 
 
 def correction_from_p(tree, p_all, uniforms, generator=torch.Generator().manual_seed(0)):

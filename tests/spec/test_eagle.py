@@ -12,8 +12,7 @@ from specdecode.sampling import SamplingParams
 from specdecode.spec.heads import EagleHead
 from specdecode.spec.proposers.eagle import EagleProposer, _Pool
 
-from .heads_fixtures import (chi_square_p, copy_head, correction_from_p, load_target, save_speculator, target_text,
-                             train_eagle)
+from .heads_fixtures import chi_square_p, copy_head, correction_from_p, keep_last_layer, load_target, save_speculator
 from .test_lossless_sampling import PARAMS, make_tiny_vocab_model
 
 PROMPTS = ["def add(a, b):", "class Point:\n    def __init__(self, x, y):\n        self.x = x", "for i in",
@@ -37,7 +36,8 @@ def one_layer(tiny_models, tmp_path_factory):
 @pytest.mark.parametrize("batch", [1, 4])
 def test_greedy_is_exact_and_drafts_are_accepted(one_layer, batch):
     plain = LLM(str(one_layer / "target"), dtype="float32", max_num_seqs=4).generate(PROMPTS, GREEDY)
-    config = {"method": "eagle", "model": str(one_layer / "copy"), "num_speculative_tokens": 4, "eagle_topk": 3}
+    config = {"method": "eagle", "model": str(one_layer / "copy"), "num_speculative_tokens": 4, "eagle_topk": 3,
+              "adaptive": False}
     llm = LLM(str(one_layer / "target"), dtype="float32", speculative_config=config, max_num_seqs=batch)
     outputs = llm.generate(PROMPTS, GREEDY)
     for prompt, want, got in zip(PROMPTS, plain, outputs):
@@ -62,7 +62,7 @@ def test_target_features_reach_the_head_aligned(tiny_models, monkeypatch, tmp_pa
         real(self, seqs, features)
 
     monkeypatch.setattr(EagleProposer, "observe_target", spy)
-    config = {"method": "eagle", "model": str(tmp_path / "head"), "num_speculative_tokens": 3}
+    config = {"method": "eagle", "model": str(tmp_path / "head"), "num_speculative_tokens": 3, "adaptive": False}
     llm = LLM(str(tiny_models["target"]), dtype="float32", speculative_config=config, max_num_seqs=3)
     params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
               SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=1),
@@ -126,18 +126,18 @@ def test_speculator_checks(one_layer, tiny_models, tmp_path):
 
 @pytest.fixture(scope="module")
 def vocab8_eagle(tmp_path_factory):
-    """An 8-token target and an EAGLE head over 6 of its tokens, trained for a moment on the target's samples."""
+    """An 8-token target (in effect one layer) and an EAGLE head over 6 of its tokens that copies it."""
     root = tmp_path_factory.mktemp("vocab8_eagle")
     make_tiny_vocab_model(root / "target", seed=10)
+    keep_last_layer(root / "target")
     target = load_target(root / "target")
-    head = train_eagle(target, torch.tensor([0, 1, 2, 4, 5, 7]), target_text(target, 64, 24, sample=True), steps=100)
-    save_speculator(head, target, root / "head")
+    save_speculator(copy_head(target, torch.tensor([0, 1, 2, 4, 5, 7])), target, root / "head")
     return root
 
 
 def eagle_config(root):
     return {"method": "eagle", "model": str(root / "head"), "num_speculative_tokens": 2, "eagle_topk": 3,
-            "num_tree_nodes": 6}
+            "num_tree_nodes": 6, "adaptive": False}
 
 
 @pytest.mark.parametrize("params_name", list(PARAMS))
