@@ -27,9 +27,14 @@ def _serve(sub):
     register(sub)
 
 
+def _datastore(sub):
+    from specdecode.spec.datastore import register
+    register(sub)
+
+
 def _bench(sub):
     from specdecode.bench.cli import register
     register(sub)
 
 
-REGISTRY = [_generate, _chat, _serve, _models, _train, _bench]
+REGISTRY = [_generate, _chat, _serve, _models, _train, _bench, _datastore]

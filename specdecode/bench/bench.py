@@ -60,6 +60,8 @@ class BenchConfig:
     """K of n-gram prompt lookup (transformers' prompt_lookup_num_tokens gets the same)."""
     peers: bool = True
     """Also run transformers' generate() (plain, assisted, prompt lookup)."""
+    adaptive: bool = True
+    """draft_chain, draft_tree and ngram choose K per step (the default everywhere); False: they always draft K."""
     sweep_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     """Batch sizes of the plain vs fixed K vs adaptive sweep (empty: no sweep)."""
     sweep_ks: tuple[int, ...] = (1, 2, 3, 4, 5)
@@ -102,19 +104,21 @@ class BenchConfig:
 def method_config(method: str, config: BenchConfig) -> dict:
     """The speculative_config of a method."""
     k = config.num_speculative_tokens
-    draft = {"method": "draft_model", "model": str(config.draft), "num_speculative_tokens": k}
+    draft = {"method": "draft_model", "model": str(config.draft), "num_speculative_tokens": k,
+             "adaptive": config.adaptive}
     return {"draft_chain": draft,
             "draft_tree": {**draft, "num_drafts": config.num_drafts},
             "ngram": {"method": "ngram", "num_speculative_tokens": config.ngram_tokens, "prompt_lookup_max": 4,
-                      "prompt_lookup_min": 2},
+                      "prompt_lookup_min": 2, "adaptive": config.adaptive},
             "adaptive": {**draft, "adaptive": True}}[method]
 
 
 def engine_labels(config: BenchConfig) -> dict[str, str]:
     k = config.num_speculative_tokens
-    return {"plain": "specdecode plain", "draft_chain": f"specdecode draft model, chain K={k}",
-            "draft_tree": f"specdecode draft model, tree {config.num_drafts}x{k}",
-            "ngram": f"specdecode n-gram lookup K={config.ngram_tokens}",
+    at_most = "<=" if config.adaptive else "="  # adaptive: K is the upper bound
+    return {"plain": "specdecode plain", "draft_chain": f"specdecode draft model, chain K{at_most}{k}",
+            "draft_tree": f"specdecode draft model, tree {config.num_drafts}x{k}{' adaptive' * config.adaptive}",
+            "ngram": f"specdecode n-gram lookup K{at_most}{config.ngram_tokens}",
             "adaptive": f"specdecode adaptive draft model (K<={k})", "hf_plain": "transformers plain",
             "hf_assisted": "transformers assisted (same draft)",
             "hf_prompt_lookup": f"transformers prompt lookup ({config.ngram_tokens} tokens)"}

@@ -42,6 +42,8 @@ def register(sub) -> None:
     p.add_argument("--sweep-ks", type=_ints, default=None, help="fixed K of the batch sweep (default 1,2,3,4,5)")
     p.add_argument("--no-sweep", action="store_true", help="skip the batch-size sweep")
     p.add_argument("--no-peers", action="store_true", help="skip transformers")
+    p.add_argument("--no-adaptive", dest="adaptive", action="store_false",
+                   help="draft_chain, draft_tree and ngram always draft K (default: K per step, adaptive)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
@@ -90,7 +92,7 @@ def cmd_bench(args) -> int:
         chosen["sweep_batch_sizes"] = ()
     settings = dict(target=target, draft=draft, out=args.out, dtype=args.dtype, device=args.device,
                     workloads=tuple(w for w in args.workloads.split(",") if w),
-                    peers=not args.no_peers, note=args.note, **chosen)
+                    peers=not args.no_peers, note=args.note, adaptive=args.adaptive, **chosen)
     config = BenchConfig.quick(**settings) if args.quick else BenchConfig(**settings)
     paths = write_report(run_bench(config), config.out)
     print(paths["report"].read_text())

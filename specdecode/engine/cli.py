@@ -28,13 +28,18 @@ def add_model_args(p) -> None:
     spec = p.add_argument_group("speculative decoding")
     spec.add_argument("--speculative-method", choices=METHODS, default=None,
                       help="draft_model (a small model drafts), ngram (prompt lookup), eagle (EAGLE-2 trees from a "
-                           "head on the target's features) or medusa (Medusa heads)")
+                           "head on the target's features), medusa (Medusa heads), lookahead (Jacobi n-grams of the "
+                           "target itself) or rest (retrieval from a datastore)")
     spec.add_argument("--speculative-model", type=Path, default=None,
-                      help="draft checkpoint directory or .gguf (draft_model), or speculator directory (eagle, medusa; "
-                           "default: the one shipped for the named model)")
+                      help="draft checkpoint directory or .gguf (draft_model), speculator directory (eagle, medusa; "
+                           "default: the one shipped for the named model) or datastore directory (rest; default: the "
+                           "named model's, built on first use)")
     spec.add_argument("--num-speculative-tokens", type=int, default=None, help="draft tokens per step K (default 5)")
     spec.add_argument("--num-drafts", type=int, default=None, help="draft_model: chains per step (default 1)")
     spec.add_argument("--no-speculation", action="store_true", help="plain decoding")
+    spec.add_argument("--no-adaptive", dest="adaptive", action="store_false",
+                      help="always draft K tokens (default: adaptive, K per step from measured costs and acceptance, "
+                           "0 while drafts do not pay)")
 
 
 def add_sampling_args(p, temperature: float = 0.0, top_p: float = 1.0, max_tokens: int = 128) -> None:
@@ -84,7 +89,7 @@ def speculative_config(args, default: dict | None = None) -> dict | None:
         if default is None and getattr(args, "compare", False):
             raise ConfigError("--compare needs a speculative method: add --speculative-model DIR or "
                               "--speculative-method ngram")
-        return dict(default) if default is not None else None
+        return _fixed_k(args, dict(default)) if default is not None else None
     # As in vLLM: a draft model when one is given, prompt lookup otherwise.
     default_draft = default.get("model") if default and default.get("method") == "draft_model" else None
     has_draft = args.speculative_model is not None or default_draft is not None
@@ -108,7 +113,12 @@ def speculative_config(args, default: dict | None = None) -> dict | None:
         raise ConfigError("--speculative-model and --num-drafts apply to --speculative-method draft_model only")
     if args.num_speculative_tokens is not None:
         config["num_speculative_tokens"] = args.num_speculative_tokens
-    return config
+    return _fixed_k(args, config)
+
+
+def _fixed_k(args, config: dict) -> dict:
+    """--no-adaptive: the config drafts a fixed K (adaptive is the default, so it is only ever switched off)."""
+    return {**config, "adaptive": False} if getattr(args, "adaptive", True) is False else config
 
 
 def _speculator_kind(folder: Path | None) -> str | None:
@@ -156,7 +166,7 @@ def _stream(llm, prompt: str, params, label: str | None = None, echo: bool = Tru
 
 def _spec_summary(stats, config: dict) -> str:
     k = config.get("num_speculative_tokens", 5)
-    return (f"{config['method']}, {f'adaptive K<={k}' if config.get('adaptive') else f'K={k}'}: "
+    return (f"{config['method']}, {f'adaptive K<={k}' if config.get('adaptive', True) else f'K={k}'}: "
             f"acceptance rate {stats.acceptance_rate:.1%}, "
             f"{stats.mean_accepted_len:.2f} tokens per step")
 

@@ -32,7 +32,9 @@ class LLM:
         Hugging Face checkpoint directory.
         speculative_config: vLLM-style dict, e.g. {"method": "ngram", "num_speculative_tokens": 8}; None (default)
         = plain decoding; "auto" = the speculator shipped for a named model, as the CLI uses (none for a path).
-        An adaptive config times the target at start-up for every batch size up to max_num_seqs (seconds each)."""
+        Speculation is adaptive unless the config says {"adaptive": False} (then it always drafts K): each step
+        drafts what pays, nothing for a request whose drafts do not; that times the target at start-up for every
+        batch size up to max_num_seqs (seconds each)."""
         if isinstance(speculative_config, str):
             if speculative_config != "auto":
                 raise ConfigError(f"speculative_config must be a dict, None or 'auto', got {speculative_config!r}")
@@ -75,8 +77,8 @@ class LLM:
         config = self.spec_config
         nodes_per_level = config.nodes_per_level
         costs = measure_costs(self.target, getattr(self.proposer, "model", None), self.max_num_seqs,
-                              config.num_speculative_tokens, nodes_per_level)
-        return SpecController(costs, config.num_speculative_tokens, nodes_per_level)
+                              config.max_depth, nodes_per_level, widths=config.pass_widths)
+        return SpecController(costs, config.max_depth, nodes_per_level, widths=config.pass_widths)
 
     def budget(self, seq: Sequence, k: int | None = None) -> int:
         """How many draft tokens to verify for this sequence this step (k, default fixed K, capped by what is left)."""

@@ -150,16 +150,16 @@ class StepRunner:
         t1 = time.perf_counter()
 
         B = len(seqs)
-        width = 1 + max(len(t) for t in trees)
+        width = 1 + max(t.pass_size for t in trees)  # lookahead branches ride along after the drafts
         slots = torch.tensor([s.slot for s in seqs])
         ids = torch.zeros(B, width, dtype=torch.long)
         ids[:, 0] = torch.tensor([s.token_ids[-1] for s in seqs])
         for b, tree in enumerate(trees):
-            ids[b, 1:1 + len(tree)] = tree.tokens
+            ids[b, 1:1 + tree.pass_size] = tree.pass_tokens
         if width == 1:
             out = self.target(ids.to(device), cache=self.cache, slots=slots, hidden_layers=self.features.layers)
         else:
-            layouts = [verify_layout(t.parents, width) for t in trees]
+            layouts = [verify_layout(t.pass_parents, width) for t in trees]
             mask = torch.stack([m for m, _ in layouts])  # [B, W, W]
             positions = self.cache.lengths[slots][:, None] + torch.stack([o for _, o in layouts])  # [B, W]
             out = self.target(ids.to(device), positions=positions.to(device), cache=self.cache, slots=slots,
@@ -189,18 +189,24 @@ class StepRunner:
         return deltas
 
     def _verify(self, seqs: list[Sequence], trees: list[DraftTree], logits: torch.Tensor) -> list[VerifyResult]:
-        """logits [B, W, V] at [root, nodes...] of each row."""
+        """logits [B, W, V] at [root, nodes..., lookahead nodes...] of each row. Also hands each lookahead branch
+        the target's argmax at its nodes."""
         results: list[VerifyResult | None] = [None] * len(seqs)
         greedy = [b for b, s in enumerate(seqs) if s.params.greedy]
         sampled = [b for b, s in enumerate(seqs) if not s.params.greedy]
-        if greedy:
-            argmax = logits[greedy].argmax(-1).tolist()  # the step's one host synchronisation (greedy rows)
-            for row, b in zip(argmax, greedy):
-                results[b] = verify_greedy(trees[b], row)
+        read = [b for b, (s, t) in enumerate(zip(seqs, trees)) if s.params.greedy or t.lookahead is not None]
+        if read:
+            argmax = logits[read].argmax(-1).tolist()  # the step's one host synchronisation (greedy rows)
+            for row, b in zip(argmax, read):
+                tree = trees[b]
+                if tree.lookahead is not None:
+                    tree.lookahead.outputs = row[1 + len(tree):1 + tree.pass_size]
+                if seqs[b].params.greedy:
+                    results[b] = verify_greedy(tree, row)
         if sampled:
-            W, V = logits.shape[1], logits.shape[2]
+            W, V = 1 + max(len(trees[b]) for b in sampled), logits.shape[2]  # draft nodes only
             params = [seqs[b].params for b in sampled]
-            p = processed_probs(logits[sampled].reshape(-1, V),
+            p = processed_probs(logits[sampled, :W].reshape(-1, V),
                                 *params_tensors(params, [W] * len(sampled), device=logits.device))
             p = p.view(len(sampled), W, V)
             chains = [row for row, b in enumerate(sampled) if trees[b].shape.is_chain]

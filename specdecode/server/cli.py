@@ -44,9 +44,10 @@ def register(sub) -> None:
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
     spec = p.add_argument_group("speculative decoding")
     spec.add_argument("--speculative-method", choices=METHODS, default=None,
-                      help="draft_model (a small model drafts) or ngram (prompt lookup)")
+                      help="draft_model (a small model drafts), ngram (prompt lookup), eagle, medusa (heads on the "
+                           "target's features), lookahead (Jacobi n-grams) or rest (retrieval from a datastore)")
     spec.add_argument("--speculative-model", type=Path, default=None,
-                      help="draft checkpoint directory")
+                      help="draft checkpoint, speculator or datastore directory")
     spec.add_argument("--num-speculative-tokens", type=int, default=None,
                       help="most draft tokens per step K (default 5)")
     spec.add_argument("--num-drafts", type=int, default=None, help="draft_model: chains per step (default 1)")

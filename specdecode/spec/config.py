@@ -8,7 +8,7 @@ from pathlib import Path
 
 from specdecode.errors import ConfigError
 
-METHODS = ("draft_model", "ngram", "eagle", "medusa")
+METHODS = ("draft_model", "ngram", "eagle", "medusa", "lookahead", "rest")
 TREE_METHODS = ("eagle", "medusa")
 """Methods whose `model` is a speculator directory of heads that read the target's hidden states."""
 
@@ -20,8 +20,8 @@ class SpeculativeConfig:
     method: str = "draft_model"
     """One of METHODS."""
     model: str | None = None
-    """Draft checkpoint directory (draft_model) or speculator directory (eagle, medusa; default: the one shipped
-    for the named model)."""
+    """Draft checkpoint directory (draft_model), speculator directory (eagle, medusa; default: the one shipped
+    for the named model) or datastore directory (rest; default: the named model's, built on first use)."""
     num_speculative_tokens: int = 5
     """Draft tokens per chain per step (K); eagle and medusa: the deepest tree level."""
     num_drafts: int = 1
@@ -29,16 +29,23 @@ class SpeculativeConfig:
     eagle_topk: int = 4
     """eagle: nodes expanded per depth and children kept per expanded node (SGLang's speculative_eagle_topk)."""
     num_tree_nodes: int | None = None
-    """eagle, medusa: draft tokens verified per step at full depth (default 4 per level); a shallower tree gets
-    a proportional share."""
+    """eagle, medusa, rest: draft tokens verified per step at full depth (default 4 per level); a shallower tree
+    gets a proportional share."""
     prompt_lookup_max: int = 4
     """ngram: longest n-gram matched."""
     prompt_lookup_min: int = 1
     """ngram: shortest n-gram matched."""
+    lookahead_ngram: int = 5
+    """lookahead: N, tokens per pooled n-gram; drafts are at most N - 1 deep."""
+    lookahead_window: int = 7
+    """lookahead: W, Jacobi window columns at full depth (a shallower step gets a proportional share)."""
+    lookahead_guesses: int = 7
+    """lookahead: G, pooled n-grams verified per step at full depth (a shallower step: a proportional share)."""
     disable_by_batch_size: int | None = None
     """Stop speculating when this many sequences run at once."""
-    adaptive: bool = False
-    """Choose the draft length per step (0..num_speculative_tokens) from measured costs and acceptance rates."""
+    adaptive: bool = True
+    """Choose the draft length per step (0..num_speculative_tokens) from measured costs and acceptance rates, so
+    that drafts that do not pay stop (K = 0, probed again later); False drafts num_speculative_tokens always."""
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -52,31 +59,56 @@ class SpeculativeConfig:
             raise ConfigError(f"adaptive must be true or false, got {self.adaptive!r}")
         if self.method == "draft_model" and not self.model:
             raise ConfigError('the draft_model method needs "model": the draft checkpoint directory')
-        for name in ("eagle_topk", "num_tree_nodes"):
+        if not isinstance(self.lookahead_ngram, int) or self.lookahead_ngram < 2:
+            raise ConfigError(f"lookahead_ngram (N) must be an integer >= 2, got {self.lookahead_ngram!r}")
+        for name in ("eagle_topk", "num_tree_nodes", "lookahead_window", "lookahead_guesses"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
 
     @property
     def tree_nodes(self) -> int:
-        """eagle, medusa: the most nodes a tree has."""
+        """eagle, medusa, rest: the most nodes a tree has."""
         return self.num_tree_nodes or 4 * self.num_speculative_tokens
+
+    @property
+    def max_depth(self) -> int:
+        """The deepest draft a step verifies (the speculation controller's largest K)."""
+        if self.method == "lookahead":
+            return min(self.num_speculative_tokens, self.lookahead_ngram - 1)
+        return self.num_speculative_tokens
 
     @property
     def nodes_per_level(self) -> int:
         """Tree nodes verified per drafted level (what the speculation controller's costs are measured for)."""
         if self.method == "draft_model":
             return self.num_drafts
-        if self.method in TREE_METHODS:
+        if self.method in TREE_METHODS + ("rest",):
             return math.ceil(self.tree_nodes / self.num_speculative_tokens)
+        if self.method == "lookahead":
+            return math.ceil(self.pass_nodes(self.max_depth) / self.max_depth)
         return 1
+
+    def pass_nodes(self, k: int) -> int:
+        """Nodes one sequence adds to the target pass when it drafts k levels (lookahead: its window too)."""
+        if self.method == "lookahead":
+            return self.lookahead_config().pass_nodes(min(k, self.max_depth))
+        return self.nodes_per_level * k
+
+    @property
+    def pass_widths(self) -> list[int]:
+        """Target pass width per row for each draft length 0..max_depth (what the controller's costs are for)."""
+        return [1 + self.pass_nodes(k) for k in range(self.max_depth + 1)]
 
     @property
     def tree_size(self) -> int:
-        """The most draft tokens one sequence verifies in a step."""
-        if self.method in TREE_METHODS:
-            return self.nodes_per_level * self.num_speculative_tokens
-        return self.num_speculative_tokens * self.nodes_per_level
+        """The most nodes one sequence adds to a step's target pass (draft tokens, and lookahead's window)."""
+        return self.pass_nodes(self.max_depth)
+
+    def lookahead_config(self):
+        from specdecode.spec.proposers.lookahead import LookaheadConfig
+
+        return LookaheadConfig(self.max_depth + 1, self.lookahead_window, self.lookahead_guesses)
 
     @classmethod
     def parse(cls, raw: "dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":
@@ -115,7 +147,7 @@ def with_shipped_speculator(raw: "dict | SpeculativeConfig | None", model: str |
 def build_proposer(config: SpeculativeConfig | None, target, target_tokenizer, dtype, device,
                    target_dir: Path | None = None):
     """The proposer for a config (None = plain decoding); checks a draft model or speculator against the target
-    first. target_dir: the target's checkpoint (to hash its float32 weights when it was loaded in another dtype)."""
+    first. target_dir: the target's checkpoint."""
     if config is None:
         return None
     return BUILDERS[config.method](config, target, target_tokenizer, dtype, device, target_dir)
@@ -176,6 +208,20 @@ def _medusa(config: SpeculativeConfig, target, *_):
     return MedusaProposer(medusa, heads, read_accuracy(Path(config.model), len(heads.blocks)))
 
 
-BUILDERS = {"draft_model": _draft_model, "ngram": _ngram, "eagle": _eagle, "medusa": _medusa}
-"""Method name -> builder(config, target, target_tokenizer, dtype, device, target_dir) of its proposer."""
+def _lookahead(config: SpeculativeConfig, *_):
+    from specdecode.spec.proposers.lookahead import LookaheadProposer
 
+    return LookaheadProposer(config.lookahead_config())
+
+
+def _rest(config: SpeculativeConfig, _target, target_tokenizer, _dtype, _device, target_dir):
+    from specdecode.spec.datastore import open_datastore
+    from specdecode.spec.proposers.rest import RestConfig, RestProposer
+
+    store = open_datastore(config.model, target_tokenizer, target_dir)
+    return RestProposer(RestConfig(config.num_speculative_tokens, config.tree_nodes), store)
+
+
+BUILDERS = {"draft_model": _draft_model, "ngram": _ngram, "eagle": _eagle, "medusa": _medusa,
+            "lookahead": _lookahead, "rest": _rest}
+"""Method name -> builder(config, target, target_tokenizer, dtype, device, target_dir) of its proposer."""

@@ -111,10 +111,13 @@ class SpecController:
     """
 
     def __init__(self, costs: CostModel, max_k: int, nodes_per_level: int = 1, prior_acceptance: float = 0.85,
-                 prior_weight: float = 8.0, decay: float = 0.95, probe_every: int = 16):
+                 prior_weight: float = 8.0, decay: float = 0.95, probe_every: int = 16,
+                 widths: list[int] | None = None):
+        """widths: target pass width per row for each draft length 0..max_k (default 1 + nodes_per_level * k)."""
         self.costs = costs
         self.max_k = max_k
         self.nodes_per_level = nodes_per_level
+        self.widths = list(widths) if widths else [1 + nodes_per_level * k for k in range(max_k + 1)]
         self.prior_weight = prior_weight
         self.decay = decay
         self.probe_every = probe_every
@@ -198,7 +201,7 @@ class SpecController:
         """Learn from a finished step that drafted up to k levels: `report` is the StepRunner's StepReport,
         wall_time the whole step."""
         npl = self.nodes_per_level
-        verified_k = -(-(report.width - 1) // npl)
+        verified_k = min(bisect.bisect_left(self.widths, report.width), self.max_k)  # the pass's cost class
         self.costs.observe(len(seqs), verified_k, k, report.draft_time, report.verify_time, wall_time)
         drafting = any(report.draft_lens)
         self.steps_since_draft = 0 if drafting else self.steps_since_draft + 1
@@ -287,11 +290,12 @@ def _smooth(target: dict[int, dict[int, float]]) -> dict[int, dict[int, float]]:
 
 
 def measure_costs(target, draft, max_batch: int, max_k: int, nodes_per_level: int = 1, context: int = 128,
-                  repeats: int = 3) -> CostModel:
+                  repeats: int = 3, widths: list[int] | None = None) -> CostModel:
     """Time target passes over the batch sizes and draft lengths the engine can use, and draft forwards (if the
-    proposer has a draft model), on this machine, at start-up."""
+    proposer has a draft model), on this machine, at start-up. widths: pass width per row for each draft length
+    0..max_k (default 1 + nodes_per_level * k)."""
     batches = sorted({1, max_batch} | {2 ** i for i in range(max_batch.bit_length()) if 2 ** i < max_batch})
-    widths = [1 + nodes_per_level * k for k in range(max_k + 1)]
+    widths = list(widths) if widths else [1 + nodes_per_level * k for k in range(max_k + 1)]
     cache = target.make_cache(max_batch, context + widths[-1] + 1)
     times = _best_times(target, cache, [(b, w) for b in batches for w in widths], context, repeats)
     target_points = _smooth({k: {b: times[b, w] for b in batches} for k, w in enumerate(widths)})

@@ -3,6 +3,10 @@
 A tree of n draft tokens is a parent array (parents[i] < i, -1 = child of the last committed token). A chain of K
 tokens is parents [-1, 0, 1, ..., K-2]. Everything derived from a shape (attention mask, depths, children,
 root-to-leaf paths) is computed once per distinct shape and cached.
+
+A tree may carry a lookahead branch: tokens that ride along in the same target pass, under the same kind of tree
+mask, without being verified (Lookahead decoding's Jacobi window); the step runner hands back the target's argmax
+at each of them, and nothing of them is committed.
 """
 from __future__ import annotations
 
@@ -73,6 +77,24 @@ def paths_to_parents(paths: list[tuple[int, ...]]) -> tuple[int, ...]:
 
 
 @dataclasses.dataclass
+class LookaheadBranch:
+    """Unverified nodes of a step's target pass: the target reads them, its argmax at each comes back in
+    `outputs`; they are never accepted nor committed."""
+
+    tokens: torch.Tensor
+    """[m] token ids."""
+    parents: tuple[int, ...]
+    """[m] parent of each node within the branch, -1 = child of the last committed token (as a draft tree's)."""
+    outputs: list[int] | None = None
+    """[m] the target's argmax at each node, set by the step runner after the pass."""
+
+    def __post_init__(self):
+        self.parents = tuple(self.parents)
+        if len(self.parents) != len(self.tokens):
+            raise ValueError(f"a lookahead branch has {len(self.tokens)} tokens but {len(self.parents)} parents")
+
+
+@dataclasses.dataclass
 class DraftTree:
     """The draft for one sequence."""
 
@@ -82,6 +104,8 @@ class DraftTree:
     """[n] index of each node's parent, -1 = child of the last committed token."""
     draft_probs: torch.Tensor | None = None
     """[n, vocab] the (processed) distribution each node's token was drawn from; None = deterministic guesses."""
+    lookahead: LookaheadBranch | None = None
+    """Unverified nodes that ride along in the target pass after the draft's (None = none)."""
 
     def __post_init__(self):
         if isinstance(self.parents, torch.Tensor):
@@ -102,6 +126,27 @@ class DraftTree:
 
     def __len__(self) -> int:
         return len(self.parents)
+
+    @property
+    def pass_size(self) -> int:
+        """Nodes the target reads for this tree: the draft's, then the lookahead branch's."""
+        return len(self.parents) + (len(self.lookahead.parents) if self.lookahead is not None else 0)
+
+    @property
+    def pass_tokens(self) -> torch.Tensor:
+        """[pass_size] the draft's tokens, then the branch's."""
+        if self.lookahead is None:
+            return self.tokens
+        return torch.cat([self.tokens, self.lookahead.tokens])
+
+    @property
+    def pass_parents(self) -> tuple[int, ...]:
+        """Parents of [draft nodes, branch nodes] as one parent array (the branch's indices shifted past the
+        draft's): the pass's tree mask and positions come from it."""
+        if self.lookahead is None:
+            return self.parents
+        n = len(self.parents)
+        return self.parents + tuple(p + n if p >= 0 else -1 for p in self.lookahead.parents)
 
     @property
     def shape(self) -> TreeShape:

@@ -11,7 +11,8 @@ OTHERS = ["class Point:", "for i in range(10):", "import os"]
 
 @pytest.fixture(scope="module")
 def llm(tiny_models):
-    config = {"model": str(tiny_models["draft"]), "num_speculative_tokens": 3}  # fixed K: the same drafts each time
+    config = {"model": str(tiny_models["draft"]), "num_speculative_tokens": 3,
+              "adaptive": False}  # fixed K: the same drafts each time
     return LLM(tiny_models["target"], dtype="float32", speculative_config=config, max_num_seqs=8)
 
 

@@ -44,7 +44,7 @@ def running_server(llm: LLM, model_name: str = "tiny", api_key: str | None = Non
 
 
 def speculative_config(tiny_models, **extra) -> dict:
-    return {"model": str(tiny_models["draft"]), "num_speculative_tokens": 4, **extra}
+    return {"model": str(tiny_models["draft"]), "num_speculative_tokens": 4, "adaptive": False, **extra}
 
 
 @pytest.fixture(scope="module")

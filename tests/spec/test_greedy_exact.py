@@ -34,10 +34,11 @@ def reference(tiny_models):
 
 
 SPEC_CONFIGS = {
-    "draft_chain": lambda m: {"method": "draft_model", "model": str(m["draft"]), "num_speculative_tokens": 4},
+    "draft_chain": lambda m: {"method": "draft_model", "model": str(m["draft"]), "num_speculative_tokens": 4,
+                              "adaptive": False},
     "draft_tree": lambda m: {"method": "draft_model", "model": str(m["draft"]), "num_speculative_tokens": 3,
-                             "num_drafts": 3},
-    "ngram": lambda m: {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3},
+                             "num_drafts": 3, "adaptive": False},
+    "ngram": lambda m: {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3, "adaptive": False},
 }
 
 
@@ -119,7 +120,8 @@ def test_bundled_pair_greedy_is_exact(num_drafts):
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     plain = LLM(str(target), dtype="float32", max_num_seqs=8).generate(code_prompts, params)
     spec = LLM(str(target), dtype="float32", max_num_seqs=8,
-               speculative_config={"model": str(draft), "num_speculative_tokens": 4, "num_drafts": num_drafts})
+               speculative_config={"model": str(draft), "num_speculative_tokens": 4, "num_drafts": num_drafts,
+                                   "adaptive": False})
     outputs = spec.generate(code_prompts, params)
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in plain]
     assert spec.total_stats.accepted_tokens > 0

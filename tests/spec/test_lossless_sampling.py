@@ -82,6 +82,7 @@ def speculative_samples(model_dir, spec_config, params: SamplingParams, proposer
                         greedy_every: int = 0) -> tuple[list[tuple[int, ...]], LLM, list]:
     """The first three generated tokens of SAMPLES seeded requests decoded as one batch. Every greedy_every-th
     request is greedy (left out of the samples, returned as the third value)."""
+    spec_config = {"adaptive": False, **spec_config}  # fixed K: every request drafts (and no start-up timing)
     llm = LLM(str(model_dir), dtype="float32", speculative_config=spec_config, max_num_seqs=SAMPLES)
     if proposer is not None:
         llm.proposer = llm.runner.proposer = proposer

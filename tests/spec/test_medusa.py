@@ -54,7 +54,7 @@ def vocab8_medusa(tmp_path_factory):
 
 
 def medusa_config(root, depth=2, nodes=6):
-    return {"method": "medusa", "model": str(root / "heads"), "num_speculative_tokens": depth,
+    return {"method": "medusa", "model": str(root / "heads"), "num_speculative_tokens": depth, "adaptive": False,
             "num_tree_nodes": nodes}
 
 
