@@ -76,6 +76,27 @@ def paths_to_parents(paths: list[tuple[int, ...]]) -> tuple[int, ...]:
     return tuple(parents)
 
 
+def merge_paths(sequences) -> tuple[list[int], list[int], list[int]]:
+    """Token sequences merged into a trie: (tokens, parents, counts), parents before children, children in
+    first-seen order; counts[i] = how many sequences pass through node i."""
+    tokens: list[int] = []
+    parents: list[int] = []
+    counts: list[int] = []
+    index: dict[tuple[int, int], int] = {}  # (parent, token) -> node
+    for seq in sequences:
+        node = -1
+        for token in seq:
+            child = index.get((node, token))
+            if child is None:
+                child = index[(node, token)] = len(tokens)
+                tokens.append(token)
+                parents.append(node)
+                counts.append(0)
+            counts[child] += 1
+            node = child
+    return tokens, parents, counts
+
+
 @dataclasses.dataclass
 class LookaheadBranch:
     """Unverified nodes of a step's target pass: the target reads them, its argmax at each comes back in

@@ -7,8 +7,8 @@ import torch
 import specdecode.engine.step as step_module
 from specdecode.engine.llm import LLM
 from specdecode.sampling import SamplingParams
-from specdecode.spec.proposers.lookahead import LookaheadConfig, NgramPool, _State, trie
-from specdecode.spec.tree import tree_shape
+from specdecode.spec.proposers.lookahead import LookaheadConfig, NgramPool, _State
+from specdecode.spec.tree import merge_paths, tree_shape
 
 from .heads_fixtures import chi_square_p, correction_from_p
 from .test_lossless_sampling import PARAMS, make_tiny_vocab_model
@@ -62,7 +62,7 @@ def test_pool_keeps_the_most_recent_ngrams_per_first_token():
     assert pool.guesses(1, 5, 2) == [(6, 7), (2, 3)]  # (4, 5) was the least recently seen
     assert pool.guesses(1, 5, 1) == [(6,), (2,)]
     assert pool.guesses(3, 5, 2) == []
-    assert trie([(1, 2), (1, 3), (4,)]) == ([1, 2, 3, 4], [-1, 0, 0, -1])
+    assert merge_paths([(1, 2), (1, 3), (4,), (1, 2)]) == ([1, 2, 3, 4], [-1, 0, 0, -1], [3, 2, 1, 1])
 
 
 def test_window_outputs_are_the_targets_tokens_in_context(tiny_models, monkeypatch):

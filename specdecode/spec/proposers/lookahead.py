@@ -26,7 +26,7 @@ import torch
 
 from specdecode.errors import ConfigError
 from specdecode.spec.proposers.base import NO_FEATURES
-from specdecode.spec.tree import DraftTree, LookaheadBranch
+from specdecode.spec.tree import DraftTree, LookaheadBranch, merge_paths
 
 
 @dataclasses.dataclass
@@ -92,24 +92,6 @@ class NgramPool:
                 if len(out) == count:
                     break
         return out
-
-
-def trie(sequences: list[tuple[int, ...]]) -> tuple[list[int], list[int]]:
-    """Token sequences merged into a tree: (tokens, parents), parents before children, children in first-seen
-    order."""
-    tokens: list[int] = []
-    parents: list[int] = []
-    index: dict[tuple[int, int], int] = {}  # (parent, token) -> node
-    for seq in sequences:
-        node = -1
-        for token in seq:
-            child = index.get((node, token))
-            if child is None:
-                child = index[(node, token)] = len(tokens)
-                tokens.append(token)
-                parents.append(node)
-            node = child
-    return tokens, parents
 
 
 class _State:
@@ -186,7 +168,7 @@ class LookaheadProposer:
             state = self.states[seq.request_id]
             state.pool_text(seq.token_ids)
             levels, width, count = self.config.shape(k)
-            tokens, parents = trie(state.pool.guesses(seq.token_ids[-1], count, levels))
+            tokens, parents, _ = merge_paths(state.pool.guesses(seq.token_ids[-1], count, levels))
             branch = state.branch(seq.token_ids, levels, width)
             trees.append(DraftTree(torch.tensor(tokens, dtype=torch.long), tuple(parents), lookahead=branch))
         return trees

@@ -14,7 +14,7 @@ import torch
 from specdecode.errors import ConfigError
 from specdecode.spec.datastore import Datastore
 from specdecode.spec.proposers.base import NO_FEATURES
-from specdecode.spec.tree import DraftTree
+from specdecode.spec.tree import DraftTree, merge_paths
 
 
 @dataclasses.dataclass
@@ -45,23 +45,10 @@ def frequency_tree(continuations: list[tuple[int, ...]], num_nodes: int) -> tupl
     """The continuations merged into a trie, cut to its num_nodes most frequent nodes (ties: the shallower, then
     the first seen). A node is never more frequent than its parent, so the kept nodes form a tree; they come
     parents first, each node's children from the most frequent."""
-    counts: list[int] = []
-    parents: list[int] = []
-    tokens: list[int] = []
+    tokens, parents, counts = merge_paths(continuations)
     depths: list[int] = []
-    index: dict[tuple[int, int], int] = {}  # (parent, token) -> node
-    for continuation in continuations:
-        node = -1
-        for token in continuation:
-            child = index.get((node, token))
-            if child is None:
-                child = index[(node, token)] = len(tokens)
-                tokens.append(token)
-                parents.append(node)
-                counts.append(0)
-                depths.append(0 if node < 0 else depths[node] + 1)
-            counts[child] += 1
-            node = child
+    for parent in parents:
+        depths.append(0 if parent < 0 else depths[parent] + 1)
     kept = sorted(range(len(tokens)), key=lambda i: (-counts[i], depths[i], i))[:num_nodes]
     position = {node: i for i, node in enumerate(kept)}
     return [tokens[i] for i in kept], [position[parents[i]] if parents[i] >= 0 else -1 for i in kept]
