@@ -20,7 +20,7 @@ WAIT = 60  # seconds before a test gives up waiting on the engine (it only matte
 @pytest.fixture(scope="module")
 def llm_factory(tiny_models):
     def make(max_num_seqs=4):
-        config = {"model": str(tiny_models["draft"]), "num_speculative_tokens": 3}
+        config = {"model": str(tiny_models["draft"]), "num_speculative_tokens": 3, "adaptive": False}
         return LLM(tiny_models["target"], dtype="float32", speculative_config=config, max_num_seqs=max_num_seqs)
     return make
 
