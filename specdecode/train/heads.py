@@ -29,7 +29,7 @@ class HeadLossConfig:
     feature_weight: float = 0.5
     """EAGLE: weight of the smooth-L1 loss between predicted and real (normed) features."""
     noise: float = 0.05
-    """EAGLE: uniform noise on the real input features, as a fraction of their RMS."""
+    """EAGLE: uniform multiplicative noise on the real input features (each value times 1 + U(-noise, noise))."""
 
 
 def soft_cross_entropy(logits: torch.Tensor, topk_draft: torch.Tensor, topk_probs: torch.Tensor) -> torch.Tensor:
@@ -87,8 +87,9 @@ def eagle_unroll(head: EagleHead, batch: FeatureBatch, target_to_draft: torch.Te
     real = batch.features.float()  # [B, T, D]
     feature_in = real
     if generator is not None and cfg.noise > 0:
-        scale = cfg.noise * real.pow(2).mean(-1, keepdim=True).sqrt()
-        feature_in = real + scale * (torch.rand(real.shape, generator=generator) * 2 - 1)
+        # Relative to each value: an additive scale from the RMS would swamp the ordinary dimensions, since a
+        # few outlier dimensions dominate the RMS of the residual stream.
+        feature_in = real * (1 + cfg.noise * (torch.rand(real.shape, generator=generator) * 2 - 1))
     real_normed = norm(real)
     topk_draft = target_to_draft[batch.topk_ids]  # [B, T, K]
     ctx = _UnrolledContext(T)
