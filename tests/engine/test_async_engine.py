@@ -12,6 +12,7 @@ from specdecode.engine.async_engine import (AsyncEngine, EngineDead, EngineOverl
 from specdecode.engine.llm import LLM
 from specdecode.errors import ConfigError
 from specdecode.sampling import SamplingParams
+from specdecode.spec.control import CostModel, SpecController
 
 PROMPTS = ["def add(a, b):", "class Point:", "for i in range(10):", "import os", "print(", "self.x ="]
 WAIT = 60  # seconds before a test gives up waiting on the engine (it only matters when something is broken)
@@ -21,7 +22,11 @@ WAIT = 60  # seconds before a test gives up waiting on the engine (it only matte
 def llm_factory(tiny_models):
     def make(max_num_seqs=4):
         config = {"model": str(tiny_models["draft"]), "num_speculative_tokens": 3, "adaptive": False}
-        return LLM(tiny_models["target"], dtype="float32", speculative_config=config, max_num_seqs=max_num_seqs)
+        llm = LLM(tiny_models["target"], dtype="float32", speculative_config=config, max_num_seqs=max_num_seqs)
+        # Fixed K with made-up costs: the engine would otherwise time the models at start-up, for its speedup gauge.
+        llm.controller = SpecController(CostModel({k: {1: 0.01} for k in range(4)}, {1: 0.001}, max_num_seqs), 3)
+        llm.controller.fixed_k = 3
+        return llm
     return make
 
 
