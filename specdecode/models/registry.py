@@ -64,7 +64,7 @@ A shipped speculator is an entry here, e.g. {"method": "eagle", "model": "<path 
 
 
 SHIPPED_SPECULATORS: dict[str, dict[str, str]] = {
-    "smollm2-135m-instruct": {},  # e.g. "eagle": "smollm2/eagle" once trained heads ship
+    "smollm2-135m-instruct": {"medusa": "smollm2/medusa"},  # trained by `specdecode train`; cards inside
 }
 """Named model -> {speculative method: its speculator directory, relative to this package's folder}: what
 `--speculative-method eagle|medusa|draft_model` uses when no --speculative-model is given."""
