@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import sys
 
-from specdecode.engine.cli import add_model_args, add_sampling_args, resolve_models, sampling_params, set_threads
+from specdecode.engine.cli import (add_model_args, add_quantization_arg, add_sampling_args, resolve_models,
+                                   sampling_params, set_threads)
 from specdecode.errors import SpecdecodeError
 
 HELP = "Type a message. /reset starts over, /exit or Ctrl-D leaves, Ctrl-C stops an answer."
@@ -17,6 +18,7 @@ def register(sub) -> None:
                                    "the model's chat template and answered as it is generated. " + HELP)
     p.add_argument("--system", default=None, help="system prompt (default: the chat template's own, if any)")
     add_model_args(p)
+    add_quantization_arg(p)
     add_sampling_args(p, temperature=0.2, top_p=0.9, max_tokens=512)
     p.set_defaults(func=cmd_chat)
 
@@ -68,7 +70,8 @@ def cmd_chat(args) -> int:
     set_threads(args.threads)
     params = sampling_params(args)
     model_dir, config, name = resolve_models(args)
-    llm = LLM(model=model_dir, dtype=args.dtype, device=args.device, speculative_config=config, max_num_seqs=1)
+    llm = LLM(model=model_dir, dtype=args.dtype, device=args.device, speculative_config=config, max_num_seqs=1,
+              quantization=args.quantization)
     conversation = Conversation(args.system)
     interactive = sys.stdin.isatty()
     if interactive:

@@ -42,6 +42,12 @@ def add_model_args(p) -> None:
                            "0 while drafts do not pay)")
 
 
+def add_quantization_arg(p) -> None:
+    p.add_argument("--quantization", choices=("int8",), default=None,
+                   help="int8: weight-only int8 linear layers (with --dtype bfloat16, the default on CPUs with native "
+                        "bfloat16; ~1.3x faster plain decoding there, see README, Speed)")
+
+
 def add_sampling_args(p, temperature: float = 0.0, top_p: float = 1.0, max_tokens: int = 128) -> None:
     p.add_argument("--max-tokens", type=int, default=max_tokens, help=f"most tokens to generate (default {max_tokens})")
     p.add_argument("--temperature", type=float, default=temperature,
@@ -59,6 +65,7 @@ def register(sub) -> None:
     p.add_argument("--chat", action="store_true",
                    help="wrap PROMPT in the model's chat template as one user message and print only the answer")
     add_model_args(p)
+    add_quantization_arg(p)
     add_sampling_args(p)
     p.add_argument("--compare", action="store_true",
                    help="run plain and speculative decoding on the prompt and print the speedup")
@@ -177,7 +184,8 @@ def cmd_generate(args) -> int:
     set_threads(args.threads)
     params = sampling_params(args)  # (checked before a model is fetched or loaded)
     model_dir, config, _ = resolve_models(args)
-    llm = LLM(model=model_dir, dtype=args.dtype, device=args.device, speculative_config=config, max_num_seqs=1)
+    llm = LLM(model=model_dir, dtype=args.dtype, device=args.device, speculative_config=config, max_num_seqs=1,
+              quantization=args.quantization)
     prompt = args.prompt
     if args.chat:
         prompt = llm.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])

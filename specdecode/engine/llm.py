@@ -27,14 +27,15 @@ from specdecode.spec.control import SpecController, measure_costs
 class LLM:
     def __init__(self, model: str | Path | None = None, dtype: str = "auto", device: str | None = None,
                  speculative_config: dict | SpeculativeConfig | str | None = None, max_num_seqs: int = 32,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, quantization: str | None = None):
         """model: a model name (default: smollm2-135m-instruct, fetched on first use), a .gguf file, or a
         Hugging Face checkpoint directory.
         speculative_config: vLLM-style dict, e.g. {"method": "ngram", "num_speculative_tokens": 8}; None (default)
         = plain decoding; "auto" = the speculator shipped for a named model, as the CLI uses (none for a path).
         Speculation is adaptive unless the config says {"adaptive": False} (then it always drafts K): each step
         drafts what pays, nothing for a request whose drafts do not; that times the target at start-up for every
-        batch size up to max_num_seqs (seconds each)."""
+        batch size up to max_num_seqs (seconds each).
+        quantization: None, or "int8" (weight-only int8 linear layers of the target; needs bfloat16 on CPU)."""
         if isinstance(speculative_config, str):
             if speculative_config != "auto":
                 raise ConfigError(f"speculative_config must be a dict, None or 'auto', got {speculative_config!r}")
@@ -42,7 +43,7 @@ class LLM:
         self.model_name = model_name(model)
         self.model_dir = resolve_model(model)
         self.device = resolve_device(device)
-        self.target = load_model(self.model_dir, dtype=dtype, device=self.device)
+        self.target = load_model(self.model_dir, dtype=dtype, device=self.device, quantization=quantization)
         self.tokenizer = Tokenizer(self.model_dir, self.target.config.eos_token_ids)
         if max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {max_num_seqs}")

@@ -38,8 +38,9 @@ class KVCache:
               v_new: torch.Tensor) -> None:
         """Store new keys/values. slots [B], write_pos [B, T], k_new/v_new [B, kv_heads, T, head_dim]."""
         # Advanced indices around slices put the indexed dims first: [B, T, kv_heads, head_dim] for both.
-        self.k[layer][slots[:, None], :, :, write_pos] = k_new.transpose(1, 2)
-        self.v[layer][slots[:, None], :, write_pos] = v_new.transpose(1, 2)
+        # (An indexed write does not convert dtypes as a slice copy does: the cache may be float32 under bfloat16.)
+        self.k[layer][slots[:, None], :, :, write_pos] = k_new.transpose(1, 2).to(self.k[layer].dtype)
+        self.v[layer][slots[:, None], :, write_pos] = v_new.transpose(1, 2).to(self.v[layer].dtype)
 
     def write_block(self, layer: int, first_slot: int, start: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
         """Store new keys/values [B, kv_heads, T, head_dim] of slots first_slot.. at positions start..start+T-1."""

@@ -92,7 +92,7 @@ def read_checkpoint(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[s
 
 
 def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
-               device: str | torch.device | None = None) -> LlamaForCausalLM:
+               device: str | torch.device | None = None, quantization: str | None = None) -> LlamaForCausalLM:
     """Build the decoder of a checkpoint (HF directory with config.json + safetensors, a .gguf file, or a
     directory holding one .gguf) and fill it with its weights (GGUF weights are dequantised to dtype)."""
     model_dir = Path(model_dir)
@@ -120,7 +120,8 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.inv_freq = config.inv_freq()
-    return prepare_for_inference(model.to(device).eval())  # the platform's fastest linear kernels
+    # The platform's fastest linear kernels, or weight-only int8 (quantization="int8").
+    return prepare_for_inference(model.to(device).eval(), quantization=quantization)
 
 
 def save_model(model: LlamaForCausalLM, model_dir: str | Path, dtype: torch.dtype | None = None) -> None:

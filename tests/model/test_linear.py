@@ -203,3 +203,30 @@ def test_int8_model_keeps_parameters_and_is_refused_in_float32():
         prepare_for_inference(tiny_model(), quantization="int8")
     with pytest.raises(ConfigError, match="not supported"):
         prepare_for_inference(tiny_model(), quantization="int4")
+
+
+def test_llm_with_int8_generates(tiny_models):
+    from specdecode.engine.llm import LLM
+    from specdecode.sampling import SamplingParams
+
+    llm = LLM(tiny_models["target"], dtype="bfloat16", device="cpu", quantization="int8", max_num_seqs=2)
+    assert linear_backend(llm.target) == "int8"
+    out = llm.generate(["def add(a, b):", "class Point:"], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in out] == [5, 5]
+
+
+def test_bfloat16_model_ragged_batch_matches_single_rows():
+    """A bfloat16 model over its float32 KV cache: rows of different lengths in one batch (the indexed cache
+    writes) give the logits each row gives alone."""
+    model = tiny_model().to(torch.bfloat16)
+    prompts = [IDS[0, :7], IDS[1, :4]]
+    cache = model.make_cache(2, 32)
+    assert cache.k[0].dtype == model.kv_dtype == torch.float32
+    with torch.inference_mode():
+        for row, ids in enumerate(prompts):
+            model(ids[None], cache=cache, slots=torch.tensor([row]))
+            cache.advance(torch.tensor([row]), len(ids))
+        nxt = torch.tensor([[3], [4]])
+        both = model(nxt, cache=cache).logits[:, 0]
+        alone = [model(nxt[row:row + 1], cache=cache, slots=torch.tensor([row])).logits[0, 0] for row in range(2)]
+    assert (both - torch.stack(alone)).abs().max() <= 0.05 * both.abs().max()
