@@ -84,6 +84,19 @@ def batch_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def speculation_table(results: dict) -> str:
+    spec = results["speculation"]
+    lines = [f"Prompt lookup (`ngram`, K = 8) against plain decoding on a {spec['prompt_tokens']}-token request whose "
+             "answer copies the prompt (add type hints to a function), per configuration:", "",
+             "| configuration | plain tokens/s | ngram tokens/s | speedup | acceptance | same tokens |",
+             "|---|---:|---:|---:|---:|---|"]
+    for name, r in spec["rows"].items():
+        acceptance = "-" if r["acceptance_rate"] is None else f"{100 * r['acceptance_rate']:.0f}%"
+        lines.append(f"| {name} | {r['plain_tokens_per_s']:.1f} | {r['ngram_tokens_per_s']:.1f} | {r['speedup']:.2f}x "
+                     f"| {acceptance} | {'yes' if r['same_tokens'] else 'no'} |")
+    return "\n".join(lines)
+
+
 def markdown(results: dict) -> str:
     s = results["settings"]
     parts = [
@@ -108,6 +121,8 @@ def markdown(results: dict) -> str:
     if results["batch"]:
         parts += ["## Batch throughput", "Plain decoding of N chat prompts in one batch against one prompt alone "
                   "(generated tokens/s, interleaved).", batch_table(results)]
+    if results.get("speculation"):
+        parts += ["## Speculation in each configuration", speculation_table(results)]
     return "\n\n".join(parts) + "\n"
 
 
