@@ -1,9 +1,10 @@
 """Plain (non-speculative) decoding speed: specdecode's LLM.generate against transformers' generate().
 
-Both decode the same greedy continuation of the same prompt from the same random ~30M-parameter Llama checkpoint,
-in one process, so machine load affects both alike. Goal: specdecode >= 1.3x transformers.
+Both decode the same greedy continuation of the same prompt from the same checkpoint (a random ~30M-parameter Llama,
+or --model), in one process, so machine load affects both alike; transformers in float32, specdecode in --dtype.
+Goal: specdecode >= 1.3x transformers (the speed issue's: float32 >= 1.6x, bfloat16 >= 2.5x; benchmarks/speed.py).
 
-    python benchmarks/plain_vs_transformers.py [--tokens 128] [--repeats 9] [--threads N]
+    python benchmarks/plain_vs_transformers.py [--model DIR] [--dtype float32] [--tokens 128] [--repeats 9] [--threads N]
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch
 
 from specdecode.engine.llm import LLM
 from specdecode.model.config import ModelConfig
+from specdecode.model.linear import linear_backend
 from specdecode.model.llama import LlamaForCausalLM
 from specdecode.model.loading import save_model
 from specdecode.sampling import SamplingParams
@@ -83,14 +85,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=9, help="timed runs per library (default 9)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--vocab-size", type=int, default=8192, help="vocabulary of the trained tokenizer")
+    parser.add_argument("--model", type=Path, default=None, help="a checkpoint directory (default: a random one)")
+    parser.add_argument("--dtype", default="float32", help="specdecode's dtype (default float32)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     import transformers
 
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_checkpoint(Path(tmp), args.vocab_size)
-        llm = LLM(model=model_dir, dtype="float32", device="cpu")
+        model_dir = args.model or build_checkpoint(Path(tmp), args.vocab_size)
+        llm = LLM(model=model_dir, dtype=args.dtype, device="cpu")
         params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
         prompt_ids = llm.tokenizer.encode(PROMPT)
 
@@ -111,8 +115,9 @@ def main() -> None:
 
     ours_tps, hf_tps = args.tokens / statistics.median(ours_s), args.tokens / statistics.median(hf_s)
     ours_best, hf_best = args.tokens / min(ours_s), args.tokens / min(hf_s)
-    print(f"prompt {len(prompt_ids)} tokens, {args.tokens} new tokens, batch 1, float32, "
+    print(f"prompt {len(prompt_ids)} tokens, {args.tokens} new tokens, batch 1, specdecode {args.dtype}, "
           f"{torch.get_num_threads()} threads, {args.repeats} interleaved runs each     median    (best)")
+    print(f"transformers float32; specdecode {llm.target.dtype}, linear backend {linear_backend(llm.target)}")
     print(f"specdecode   {ours_tps:8.1f} tokens/s  ({ours_best:6.1f})")
     print(f"transformers {hf_tps:8.1f} tokens/s  ({hf_best:6.1f})  transformers {transformers.__version__}")
     print(f"ratio        {ours_tps / hf_tps:8.2f}x          ({ours_best / hf_best:5.2f}x)  goal >= 1.3x")
