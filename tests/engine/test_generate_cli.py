@@ -34,7 +34,7 @@ def test_speculative_generation_reports_acceptance(tiny_models, capsys):
                          "--speculative-model", tiny_models["draft"], "--num-speculative-tokens", 3)
     assert code == 0, err
     last = out.strip().splitlines()[-1]
-    assert re.fullmatch(r"\d+ tokens, [\d.]+ tokens/s \(draft_model, K=3: acceptance rate [\d.]+%, "
+    assert re.fullmatch(r"\d+ tokens, [\d.]+ tokens/s \(draft_model, adaptive K<=3: acceptance rate [\d.]+%, "
                         r"[\d.]+ tokens per step\)", last), last
 
 
@@ -43,7 +43,7 @@ def test_compare_prints_both_speeds_and_speedup(tiny_models, capsys):
                          "--speculative-method", "ngram", "--compare")
     assert code == 0, err
     assert "[plain]" in out and "[speculative]" in out
-    assert re.search(r"plain: [\d.]+ tokens/s \| speculative: [\d.]+ tokens/s \(ngram, K=5: .*\) \| "
+    assert re.search(r"plain: [\d.]+ tokens/s \| speculative: [\d.]+ tokens/s \(ngram, adaptive K<=5: .*\) \| "
                      r"speedup [\d.]+x", out)
 
 
