@@ -64,7 +64,8 @@ A shipped speculator is an entry here, e.g. {"method": "eagle", "model": "<path 
 
 
 SHIPPED_SPECULATORS: dict[str, dict[str, str]] = {
-    "smollm2-135m-instruct": {"medusa": "smollm2/medusa"},  # trained by `specdecode train`; cards inside
+    # trained by `specdecode train eagle|medusa|draft` on ShareGPT; each directory holds its card (README.md)
+    "smollm2-135m-instruct": {"eagle": "smollm2/eagle", "medusa": "smollm2/medusa", "draft_model": "smollm2/draft"},
 }
 """Named model -> {speculative method: its speculator directory, relative to this package's folder}: what
 `--speculative-method eagle|medusa|draft_model` uses when no --speculative-model is given."""

@@ -82,7 +82,7 @@ class EagleHead(nn.Module):
         self.decoder.model.norm.weight = nn.Parameter(target.model.norm.weight.detach().clone(),
                                                       requires_grad=False)
         self.decoder.lm_head = draft_head_rows(target, draft_to_target)
-        self.embed = target.model.embed_tokens  # shared with the target, frozen
+        self.embed = target.model.embed_tokens.requires_grad_(False)  # shared with the target, frozen
         self.register_buffer("draft_to_target", draft_to_target.clone(), persistent=False)
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
