@@ -91,6 +91,8 @@ class PackedLinear(nn.Module):
                 or torch.is_autocast_enabled(x.device.type)):
             return F.linear(x, self.weight, self.bias)
         # The kernels read x's memory as a dense row-major matrix: a strided view would give wrong numbers.
+        if x.dim() == 2:  # the decoder's case (token-major hidden states): no reshapes around the kernel
+            return self.kernel(x.contiguous())
         return self.kernel(x.reshape(-1, self.in_features).contiguous()).view(*x.shape[:-1], self.out_features)
 
     def train(self, mode: bool = True) -> "PackedLinear":
