@@ -38,6 +38,8 @@ class HeadConfig:
     """medusa: heads, head i proposing the token i + 2 positions after the last verified one."""
     topk_accuracy: list | None = None
     """Held-out accuracy per head (eagle: per depth) and rank r: P(target's greedy token in the top r)."""
+    topk_ranks: list | None = None
+    """The ranks r of topk_accuracy's columns."""
 
     @classmethod
     def read(cls, folder: Path) -> "HeadConfig":

@@ -140,7 +140,7 @@ def run(args) -> int:
     else:
         config = HeadConfig(kind=kind, target_sha256=digest, draft_vocab_size=len(d2t),
                             num_heads=args.num_heads if kind == "medusa" else 1,
-                            topk_accuracy=[row[:] for row in accuracy])
+                            topk_accuracy=[row[:] for row in accuracy], topk_ranks=list(RANKS))
         save_head(head, config, args.out, card(info))
     (Path(args.out) / "training.json").write_text(json.dumps(info, indent=1) + "\n")
     print(json.dumps(info["heldout_topk_accuracy"], indent=1))
