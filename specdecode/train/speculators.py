@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from specdecode.errors import ConfigError
+from specdecode.models.registry import sha256_file
 from specdecode.train import features, sharegpt
 
 
@@ -21,14 +22,6 @@ def weights_digest(model) -> str:
             continue
         digest.update(name.encode())
         digest.update(tensor.detach().to(torch.bfloat16).contiguous().view(torch.int16).numpy().tobytes())
-    return digest.hexdigest()
-
-
-def file_digest(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
     return digest.hexdigest()
 
 
@@ -68,7 +61,7 @@ def build_feature_cache(target, tokenizer, data_path: Path, out_dir: Path, max_t
     train, heldout = sharegpt.split(conversations)
     examples = training_examples(train, tokenizer, max_tokens, seq_len)
     tokens = features.extract(target, examples, out_dir, max_batch_tokens=max_batch_tokens)
-    return {"file": str(data_path), "sha256": file_digest(data_path), "conversations": len(conversations),
+    return {"file": str(data_path), "sha256": sha256_file(data_path), "conversations": len(conversations),
             "train_conversations": len(train), "heldout_conversations": len(heldout),
             "heldout_rule": f"sha256(base id)[:8] / 2**64 < {sharegpt.HELDOUT_FRACTION}",
             "examples": len(examples), "tokens": tokens,
