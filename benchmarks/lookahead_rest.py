@@ -1,4 +1,5 @@
-"""Lookahead, REST and prompt lookup vs plain decoding on held-out ShareGPT, adaptive (the default) and fixed K.
+"""Lookahead, REST, prompt lookup and the shipped speculators vs plain decoding on held-out ShareGPT, adaptive
+(the default) and fixed K.
 
 Two workloads, both from held-out ShareGPT conversations (never in REST's datastore), in the chat template:
 `chat` = the first user turn as it is (open chat); `grounded` = a request to rewrite or summarise a text the user
@@ -21,7 +22,9 @@ from tqdm import tqdm
 from specdecode import LLM, SamplingParams
 from specdecode.train import sharegpt, speculators
 
-METHODS = {"ngram": {"method": "ngram"}, "lookahead": {"method": "lookahead"}, "rest": {"method": "rest"}}
+METHODS = {"ngram": {"method": "ngram"}, "lookahead": {"method": "lookahead"}, "rest": {"method": "rest"},
+           "eagle": {"method": "eagle"}, "medusa": {"method": "medusa"}, "draft_model": {"method": "draft_model"}}
+"""Each with the default model's shipped speculator or datastore where it needs one."""
 GROUNDED = ["Rewrite the following text in simpler words, keeping everything it says:\n\n{text}",
             "Summarise the following text:\n\n{text}"]
 
@@ -49,7 +52,7 @@ def heldout_prompts(tokenizer, n: int, max_prompt_tokens: int) -> dict[str, list
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="target (default: smollm2-135m-instruct)")
-    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated, from ngram, lookahead, rest")
+    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, from {', '.join(METHODS)}")
     parser.add_argument("--fixed", action="store_true", help="also run every method with a fixed K (--no-adaptive)")
     parser.add_argument("--prompts", type=int, default=10, help="prompts per workload")
     parser.add_argument("--max-tokens", type=int, default=128)

@@ -113,7 +113,7 @@ def speculative_config(args, default: dict | None = None) -> dict | None:
                               "checkpoint with the target's tokenizer)")
         if args.num_drafts is not None:
             config["num_drafts"] = args.num_drafts
-    elif method in TREE_METHODS and args.num_drafts is None:
+    elif method in TREE_METHODS + ("rest",) and args.num_drafts is None:
         if args.speculative_model is not None:  # (else resolve_models fills in the shipped speculator, if any)
             config["model"] = str(args.speculative_model)
     elif args.speculative_model is not None or args.num_drafts is not None:
@@ -129,9 +129,12 @@ def _fixed_k(args, config: dict) -> dict:
 
 
 def _speculator_kind(folder: Path | None) -> str | None:
-    """'eagle' or 'medusa' when folder is a speculator directory (its config.json names its kind), else None."""
+    """'eagle' or 'medusa' when folder is a speculator directory (its config.json names its kind), 'rest' for a
+    datastore directory, else None."""
     import json
 
+    if folder is not None and (folder / "datastore.json").is_file():
+        return "rest"
     try:
         kind = json.loads((folder / "config.json").read_text()).get("kind") if folder is not None else None
     except (OSError, ValueError, AttributeError):

@@ -164,3 +164,19 @@ def test_negative_control_fails(vocab8_rest, monkeypatch):
     monkeypatch.setattr(step_module.StepRunner, "_verify_chains", staticmethod(_chains_as_trees))
     p_value, _ = chi_square_p(vocab8_rest, rest_config(vocab8_rest), PARAMS["t0.7_top_p0.9"], monkeypatch)
     assert p_value < 1e-6
+
+
+def test_command_line_flags(tiny_datastore):
+    """A datastore directory given alone implies rest; --no-adaptive fixes K (adaptive is the default)."""
+    import argparse
+
+    from specdecode.engine.cli import add_model_args, speculative_config
+
+    parser = argparse.ArgumentParser()
+    add_model_args(parser)
+    assert speculative_config(parser.parse_args(["--speculative-model", str(tiny_datastore)])) == {
+        "method": "rest", "model": str(tiny_datastore)}
+    assert speculative_config(parser.parse_args(["--speculative-method", "lookahead", "--no-adaptive"])) == {
+        "method": "lookahead", "adaptive": False}
+    assert speculative_config(parser.parse_args(["--no-adaptive"]), {"method": "ngram"}) == {
+        "method": "ngram", "adaptive": False}
