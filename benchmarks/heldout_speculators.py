@@ -60,14 +60,15 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    engines = {"plain": LLM(args.model, dtype=args.dtype)}
+    sizes = {"max_num_seqs": 1, "max_model_len": args.max_prompt_tokens + args.max_tokens + 64}  # batch 1: small caches
+    engines = {"plain": LLM(args.model, dtype=args.dtype, **sizes)}
     for spec in args.method:
         label, config = parse_method(spec)
         config["num_speculative_tokens"] = args.k
         if args.tree_nodes and config["method"] in ("eagle", "medusa"):
             config["num_tree_nodes"] = args.tree_nodes
         config["adaptive"] = args.adaptive
-        engines[label] = LLM(args.model, dtype=args.dtype, speculative_config=config)
+        engines[label] = LLM(args.model, dtype=args.dtype, speculative_config=config, **sizes)
     prompts = heldout_prompts(engines["plain"].tokenizer, args.prompts, args.max_prompt_tokens)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=0)
     totals = {name: {"seconds": 0.0, "tokens": 0, "steps": 0, "draft_tokens": 0, "accepted": 0,
