@@ -14,6 +14,8 @@ import torch
 
 SCALE_RATE = 0.1
 """Weight of a new measurement in the running measured/calibrated cost ratios and overheads."""
+REALISED_FADE = 0.98
+"""Per plain step, how much of a request's evidence about its drafting steps' speed is kept."""
 
 
 class Curve:
@@ -124,6 +126,8 @@ class SpecController:
         self.prior_acceptance = prior_acceptance
         self.fixed_k: int | None = None
         """Set to always draft this many levels (benchmarks of fixed K); costs are still measured."""
+        self.min_evidence = 8.0
+        """Tokens of a request's recent drafting steps needed before their realised speed can throttle it."""
         self.reset_acceptance()
 
     def reset_acceptance(self) -> None:
@@ -131,6 +135,11 @@ class SpecController:
         self.global_hits = [10.0 * self.prior_acceptance] * self.max_k
         self.global_trials = [10.0] * self.max_k
         self.counts: dict[str, tuple[list[float], list[float]]] = {}  # request -> (hits, trials) per level
+        # What drafting really gave each request: faded (seconds, tokens) of its drafting steps, against the
+        # measured wall time of plain steps per batch size. The model above can be wrong (a longer context than
+        # calibrated, a proposer slower than it looked, acceptance that fell); the stopwatch is not.
+        self.realised: dict[str, list[float]] = {}
+        self.plain_wall: dict[int, float] = {}
         self.steps_since_draft = 0
 
     def reset(self) -> None:
@@ -181,19 +190,30 @@ class SpecController:
 
     # -- per step -------------------------------------------------------------------------------------------
 
+    def losing(self, request_id: str, batch: int) -> bool:
+        """Whether a request's recent drafting steps gave fewer tokens per second than plain steps take (then it
+        stops drafting until that evidence has faded, and tries again)."""
+        seconds, tokens = self.realised.get(request_id, (0.0, 0.0))
+        if tokens < self.min_evidence:
+            return False
+        plain = self.plain_wall.get(batch) or self.costs.step_time(batch, 0)
+        return tokens * plain < seconds
+
     def choose(self, seqs) -> int:
-        """Draft levels for this step (0 = plain); sequences with speculation off are counted as plain rows."""
+        """Draft levels for this step (0 = plain); sequences with speculation off, or whose drafts lately did not
+        pay, are counted as plain rows."""
         if self.fixed_k is not None:
             return self.fixed_k
         prior = self.global_rates()
-        rates = [self.rates(s.request_id, prior) for s in seqs if s.params.use_speculation]
-        if not rates:
+        speculating = [s for s in seqs if s.params.use_speculation]
+        if not speculating:
             return 0
-        k, _ = self.best_k(len(seqs), rates)
+        rates = [self.rates(s.request_id, prior) for s in speculating if not self.losing(s.request_id, len(seqs))]
+        k = self.best_k(len(seqs), rates)[0] if rates else 0
         if k == 0 and self.steps_since_draft >= self.probe_every:
             # Acceptance is only learned while drafting: now and then re-measure it with one cheap level, but only
             # where a good acceptance rate would make speculation pay at this batch size.
-            if self.best_k(len(seqs), [[0.9] * self.max_k] * len(rates))[0] > 0:
+            if self.best_k(len(seqs), [[0.9] * self.max_k] * len(speculating))[0] > 0:
                 k = 1
         return k
 
@@ -205,6 +225,17 @@ class SpecController:
         self.costs.observe(len(seqs), verified_k, k, report.draft_time, report.verify_time, wall_time)
         drafting = any(report.draft_lens)
         self.steps_since_draft = 0 if drafting else self.steps_since_draft + 1
+        if report.width == 1:  # a plain step: what drafting has to beat
+            b, plain = len(seqs), self.plain_wall.get(len(seqs))
+            self.plain_wall[b] = wall_time if plain is None else plain + SCALE_RATE * (wall_time - plain)
+        for seq, accepted in zip(seqs, report.accepted_lens):
+            realised = self.realised.setdefault(seq.request_id, [0.0, 0.0])
+            if report.width > 1:  # every row paid for the wider pass
+                realised[0] = realised[0] * self.decay + wall_time
+                realised[1] = realised[1] * self.decay + 1 + accepted
+            else:  # slower, so that a throttled request waits a while before it tries again
+                realised[0] *= REALISED_FADE
+                realised[1] *= REALISED_FADE
         if drafting:
             self.global_hits = [h * 0.99 for h in self.global_hits]
             self.global_trials = [t * 0.99 for t in self.global_trials]
@@ -234,6 +265,7 @@ class SpecController:
 
     def forget(self, request_id: str) -> None:
         self.counts.pop(request_id, None)
+        self.realised.pop(request_id, None)
 
 
 @torch.no_grad()

@@ -265,3 +265,28 @@ def test_adaptive_never_loses_to_plain_decoding(batch, rates, draft_s):
     best_fixed = max(simulated_throughput(costs, batch, rates, k) for k in range(1, MAX_K + 1))
     assert adaptive >= 0.98 * plain
     assert adaptive >= 0.9 * max(best_fixed, plain)
+
+
+@pytest.mark.parametrize("draft_wall, stops", [(0.040, True), (0.015, False)])
+def test_drafting_steps_slower_than_plain_steps_stop(draft_wall, stops):
+    """The model says drafting pays (2 of 3 tokens accepted), but the stopwatch decides: 3 tokens in 40 ms lose to
+    a plain step's one token in 10 ms, so the request stops drafting (probing now and then); in 15 ms they win."""
+    controller = SpecController(synthetic_costs(), MAX_K, probe_every=8)
+    seqs = seqs_of(1)
+
+    def step(k, wall):
+        report = StepReport(1 + k, 0.001 * k, 0.01, [k], [min(k, 2)], draft_depths=[k])
+        controller.observe(seqs, k, report, wall_time=wall)
+
+    step(0, 0.010)
+    for _ in range(10):
+        step(3, draft_wall)
+    choices = []
+    for _ in range(20):
+        k = controller.choose(seqs)
+        choices.append(k)
+        step(k, 0.010 if k == 0 else draft_wall)
+    if stops:
+        assert choices.count(0) >= 15 and 1 in choices
+    else:
+        assert 0 not in choices
