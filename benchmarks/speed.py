@@ -22,7 +22,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated (default float32,bfloat16)")
-    parser.add_argument("--backends", default="onednn,plain", help="comma-separated (default onednn,plain)")
+    parser.add_argument("--backends", default="onednn,plain,int8",
+                        help="comma-separated; int8 = weight-only int8 (default onednn,plain,int8)")
     parser.add_argument("--max-verify", type=int, default=16, help="passes over K = 1..this tokens (default 16)")
     parser.add_argument("--batch", type=int, default=8, help="batch size compared with batch 1 (default 8)")
     parser.add_argument("--no-peers", action="store_true", help="skip transformers")
