@@ -4,7 +4,7 @@ quantize.py shape), so that the model's forward never branches on the platform.
 On x86 CPUs, oneDNN's prepacked weights (`torch.ops.mkldnn._reorder_linear_weight` once, then
 `torch.ops.mkldnn._linear_pointwise` per call) read a weight matrix 1.7-1.9x faster than `F.linear` in the
 matrix-vector products of decoding, and cost less than `F.linear` when several tokens are verified at once
-(measured: docs/bench/speed.md). Elsewhere (CUDA, other CPUs) the plain matmul is the fast path already.
+(measured: docs/bench/speed_kernels.md). Elsewhere (CUDA, other CPUs) the plain matmul is the fast path already.
 Weight-only int8 (quantization="int8") is the same kind of swap.
 """
 from __future__ import annotations
@@ -155,12 +155,14 @@ class Int8Linear(PackedLinear):
         return out if self.bias is None else out + self.bias
 
 
-def _swap_linears(model: nn.Module, make) -> None:
+def _swap_linears(model: nn.Module, make) -> nn.Module:
+    """Replace every submodule m of model by make(m); returns make(model) (the root may be a linear layer)."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             swapped = make(child)
             if swapped is not child:
                 setattr(parent, name, swapped)
+    return make(model)
 
 
 def _plain(module: nn.Module) -> nn.Module:
@@ -176,7 +178,8 @@ def _plain(module: nn.Module) -> nn.Module:
 def prepare_for_inference(model: nn.Module, backend: str = "auto", quantization: str | None = None) -> nn.Module:
     """Give every nn.Linear of `model` (a target, a draft or a head) the linear backend: 'onednn' packs the
     weights once (x86 CPU), 'plain' restores nn.Linear, 'auto' picks the platform's fast one; quantization
-    'int8' makes them weight-only int8 instead (whatever the backend). Returns model.
+    'int8' makes them weight-only int8 instead (whatever the backend). Returns model (or, for a bare linear
+    layer, its replacement).
 
     Reversible and idempotent; parameters, their names and state_dict() do not change."""
     if quantization not in QUANTIZATIONS:
@@ -186,14 +189,13 @@ def prepare_for_inference(model: nn.Module, backend: str = "auto", quantization:
     if weight is None:
         return model
     backend = resolve_backend(backend, weight.device, weight.dtype)
-    _swap_linears(model, _plain)
-    if quantization == "int8":
-        if weight.device.type == "cpu" and weight.dtype == torch.float32:
-            raise ConfigError("int8 weight-only matrix products need bfloat16 (or float16) activations on CPU; with "
-                              "float32 ones they run 9x slower than float32 weights. Use dtype bfloat16.")
-        _swap_linears(model, lambda m: Int8Linear(m) if type(m) is nn.Linear else m)
-    elif backend == "onednn":
-        _swap_linears(model, lambda m: OneDNNLinear(m) if type(m) is nn.Linear else m)
+    if quantization == "int8" and weight.device.type == "cpu" and weight.dtype == torch.float32:
+        raise ConfigError("int8 weight-only matrix products need bfloat16 (or float16) activations on CPU; with "
+                          "float32 ones they run 9x slower than float32 weights. Use dtype bfloat16.")
+    model = _swap_linears(model, _plain)
+    fast = Int8Linear if quantization == "int8" else OneDNNLinear if backend == "onednn" else None
+    if fast is not None:
+        model = _swap_linears(model, lambda m: fast(m) if type(m) is nn.Linear else m)
     return model
 
 

@@ -230,3 +230,11 @@ def test_bfloat16_model_ragged_batch_matches_single_rows():
         both = model(nxt, cache=cache).logits[:, 0]
         alone = [model(nxt[row:row + 1], cache=cache, slots=torch.tensor([row])).logits[0, 0] for row in range(2)]
     assert (both - torch.stack(alone)).abs().max() <= 0.05 * both.abs().max()
+
+
+@needs_onednn
+def test_a_bare_linear_layer_comes_back_swapped():
+    linear = nn.Linear(8, 4).eval()
+    packed = prepare_for_inference(linear, "onednn")
+    assert isinstance(packed, OneDNNLinear) and packed.weight is linear.weight
+    assert type(prepare_for_inference(packed, "plain")) is nn.Linear
