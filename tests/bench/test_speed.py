@@ -47,3 +47,12 @@ def test_int8_is_offered_only_with_reduced_precision(tiny_models):
     config = SpeedConfig(model=tiny_models["target"], dtypes=("float32", "bfloat16"), backends=("int8",))
     assert all(dtype != "float32" for dtype, _ in configurations(config))
     assert torch.get_num_threads() == 1  # the cpu clock needs one thread (tests/conftest.py sets it)
+
+
+def test_bench_speed_cli(tiny_models, tmp_path, capsys):
+    from specdecode.cli import main
+
+    code = main(["bench", "--speed", "--quick", "--no-peers", "--max-tokens", "4", "--model",
+                 str(tiny_models["target"]), "--out", str(tmp_path)])
+    assert code == 0
+    assert (tmp_path / "speed.md").is_file() and "## Goals" in capsys.readouterr().out
