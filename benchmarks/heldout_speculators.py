@@ -17,6 +17,7 @@ import torch
 from tqdm import tqdm
 
 from specdecode import LLM, SamplingParams
+from specdecode.bench.tables import method_table
 from specdecode.train import sharegpt, speculators
 
 
@@ -105,13 +106,7 @@ def main() -> None:
     result = {"args": vars(args) | {"out": str(args.out)}, "prompts": len(prompts), "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print("| method | tokens/s | speedup | tokens per target pass | acceptance | same tokens as plain |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for name, r in rows.items():
-        acc = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.0%}"
-        print(f"| {name} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | {r['tokens_per_target_pass']:.2f} | "
-              f"{acc} | {r['same_tokens_as_plain']} |")
-
+    print(method_table(rows))
 
 if __name__ == "__main__":
     main()

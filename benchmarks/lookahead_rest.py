@@ -20,6 +20,7 @@ import torch
 from tqdm import tqdm
 
 from specdecode import LLM, SamplingParams
+from specdecode.bench.tables import method_table
 from specdecode.train import sharegpt, speculators
 
 METHODS = {"ngram": {"method": "ngram"}, "lookahead": {"method": "lookahead"}, "rest": {"method": "rest"},
@@ -104,13 +105,7 @@ def main() -> None:
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     for workload, rows in results.items():
         print(f"\n{workload} ({len(workloads[workload])} prompts)\n")
-        print("| method | tokens/s | vs plain | tokens per target pass | acceptance | same tokens as plain |")
-        print("|---|---:|---:|---:|---:|---:|")
-        for name, r in rows.items():
-            acc = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.0%}"
-            print(f"| {name} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | {r['tokens_per_target_pass']:.2f} | "
-                  f"{acc} | {r['same_tokens_as_plain']} |")
-
+        print(method_table(rows, "vs plain"))
 
 if __name__ == "__main__":
     main()
