@@ -12,6 +12,7 @@ from specdecode.sampling import SamplingParams
 from specdecode.spec.heads import EagleHead
 from specdecode.spec.proposers.eagle import EagleProposer, _Pool
 
+from tests.engine.test_control import FrozenCosts, synthetic_costs
 from .heads_fixtures import chi_square_p, copy_head, correction_from_p, keep_last_layer, load_target, save_speculator
 from .test_lossless_sampling import PARAMS, make_tiny_vocab_model
 
@@ -173,6 +174,10 @@ def test_adaptive_trees_stay_exact(one_layer):
     config = {"method": "eagle", "model": str(one_layer / "copy"), "num_speculative_tokens": 3, "adaptive": True}
     llm = LLM(str(one_layer / "target"), dtype="float32", speculative_config=config, max_num_seqs=4)
     assert llm.controller.nodes_per_level == 4
+    # Tiny models cost what they cost: measured costs (and the stopwatch) may rightly say never to draft. Costs where
+    # drafting pays make the adaptive path draft, so that its exactness is what this tests.
+    llm.controller.costs = synthetic_costs(cls=FrozenCosts)
+    llm.controller.min_evidence = float("inf")
     plain = LLM(str(one_layer / "target"), dtype="float32", max_num_seqs=4).generate(PROMPTS, GREEDY)
     outputs = llm.generate(PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in plain]
