@@ -12,6 +12,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from specdecode.dist.launch import launch_tensor_parallel
+from specdecode.dist.tp import check_draft_tensor_parallel
 from specdecode.engine.scheduler import Scheduler
 from specdecode.engine.sequence import RequestOutput, Sequence, SpecStats
 from specdecode.engine.step import StepRunner
@@ -27,7 +29,8 @@ from specdecode.spec.control import SpecController, measure_costs
 class LLM:
     def __init__(self, model: str | Path | None = None, dtype: str = "auto", device: str | None = None,
                  speculative_config: dict | SpeculativeConfig | str | None = None, max_num_seqs: int = 32,
-                 max_model_len: int | None = None, quantization: str | None = None):
+                 max_model_len: int | None = None, quantization: str | None = None, tensor_parallel_size: int = 1,
+                 draft_tensor_parallel_size: int | None = None):
         """model: a model name (default: smollm2-135m-instruct, fetched on first use), a .gguf file, or a
         Hugging Face checkpoint directory.
         speculative_config: vLLM-style dict, e.g. {"method": "ngram", "num_speculative_tokens": 8}; None (default)
@@ -35,7 +38,10 @@ class LLM:
         Speculation is adaptive unless the config says {"adaptive": False} (then it always drafts K): each step
         drafts what pays, nothing for a request whose drafts do not; that times the target at start-up for every
         batch size up to max_num_seqs (seconds each).
-        quantization: None, or "int8" (weight-only int8 linear layers of the target; needs bfloat16 on CPU)."""
+        quantization: None, or "int8" (weight-only int8 linear layers of the target; needs bfloat16 on CPU).
+        tensor_parallel_size: ranks the target's heads and MLP are sharded over (processes on this machine: gloo
+        on CPU, NCCL with one CUDA device each); this process is rank 0 and runs the proposer.
+        draft_tensor_parallel_size: 1 (default): the draft model or head runs whole on rank 0."""
         if isinstance(speculative_config, str):
             if speculative_config != "auto":
                 raise ConfigError(f"speculative_config must be a dict, None or 'auto', got {speculative_config!r}")
@@ -43,7 +49,15 @@ class LLM:
         self.model_name = model_name(model)
         self.model_dir = resolve_model(model)
         self.device = resolve_device(device)
-        self.target = load_model(self.model_dir, dtype=dtype, device=self.device, quantization=quantization)
+        check_draft_tensor_parallel(draft_tensor_parallel_size)
+        if tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+        self.tensor_parallel_size = tensor_parallel_size
+        if tensor_parallel_size > 1:
+            self.target = launch_tensor_parallel(self.model_dir, tensor_parallel_size, dtype, self.device,
+                                                 quantization)
+        else:
+            self.target = load_model(self.model_dir, dtype=dtype, device=self.device, quantization=quantization)
         self.tokenizer = Tokenizer(self.model_dir, self.target.config.eos_token_ids)
         if max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
@@ -57,6 +71,11 @@ class LLM:
         self.controller = self.make_controller() if self.spec_config and self.spec_config.adaptive else None
         self.total_stats = SpecStats()
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (they also stop when this LLM is collected)."""
+        if self.tensor_parallel_size > 1:
+            self.target.runtime.close()
 
     # -- requests -------------------------------------------------------------------------------------------
 

@@ -165,7 +165,8 @@ class LlamaForCausalLM(nn.Module):
 
     def make_cache(self, slots: int, max_len: int) -> KVCache:
         c = self.config
-        return KVCache(c.num_hidden_layers, slots, c.num_key_value_heads, max_len, c.head_dim,
+        kv_heads = self.model.layers[0].self_attn.num_kv_heads  # this rank's share under tensor parallelism
+        return KVCache(c.num_hidden_layers, slots, kv_heads, max_len, c.head_dim,
                        dtype=self.kv_dtype, device=self.device)
 
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,6 +6,7 @@ Only safetensors are read: pickled *.bin weights can run arbitrary code when loa
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -91,10 +92,25 @@ def read_checkpoint(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[s
     return ModelConfig.from_file(path / "config.json"), load_state_dict(path), "its config.json"
 
 
+def read_config(path: str | Path) -> ModelConfig:
+    """The model config of a checkpoint (HF directory or GGUF), without reading its weights."""
+    path = Path(path)
+    gguf_path = find_gguf(path)
+    if gguf_path is not None:
+        return gguf_config(open_gguf(gguf_path))
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"{path / 'config.json'} is missing: pass a Hugging Face checkpoint directory, a .gguf "
+                              "file, or a model name (see `specdecode models`)")
+    return ModelConfig.from_file(path / "config.json")
+
+
 def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
-               device: str | torch.device | None = None, quantization: str | None = None) -> LlamaForCausalLM:
+               device: str | torch.device | None = None, quantization: str | None = None,
+               shard: Callable[[LlamaForCausalLM], LlamaForCausalLM] | None = None) -> LlamaForCausalLM:
     """Build the decoder of a checkpoint (HF directory with config.json + safetensors, a .gguf file, or a
-    directory holding one .gguf) and fill it with its weights (GGUF weights are dequantised to dtype)."""
+    directory holding one .gguf) and fill it with its weights (GGUF weights are dequantised to dtype).
+    shard: applied to the loaded model before it moves to the device and gets its linear kernels (tensor
+    parallelism keeps one rank's share there, see dist/tp.py)."""
     model_dir = Path(model_dir)
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
@@ -120,6 +136,8 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.inv_freq = config.inv_freq()
+    if shard is not None:
+        model = shard(model)
     # The platform's fastest linear kernels, or weight-only int8 (quantization="int8").
     return prepare_for_inference(model.to(device).eval(), quantization=quantization)
 

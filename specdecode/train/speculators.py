@@ -15,7 +15,10 @@ from specdecode.train import features, sharegpt
 
 def weights_digest(model) -> str:
     """sha256 over the target's parameter names and values rounded to bfloat16: names the weights a speculator
-    was trained for, whatever file format they came from and whether they were loaded in float32 or bfloat16."""
+    was trained for, whatever file format they came from and whether they were loaded in float32 or bfloat16.
+    A tensor-parallel target (dist/driver.py) carries the digest of its whole weights, taken before sharding."""
+    if getattr(model, "unsharded_digest", None):
+        return model.unsharded_digest
     digest = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
         if name == "lm_head.weight" and model.config.tie_word_embeddings:

@@ -1,0 +1,87 @@
+"""Rank 0's side of a tensor-parallel model: the engine holds a ParallelModel as if it were the model.
+
+Every target forward and every KV-cache commit is first broadcast as a Command, so that the other ranks run the
+same operation on their shard; the all-reduces inside the layers then line up. Everything else (scheduling,
+the proposer, sampling, verification) runs on rank 0 only, and no token ever needs to travel back: after the
+last all-reduce rank 0 holds the full hidden states and the (replicated) LM head.
+"""
+from __future__ import annotations
+
+import dataclasses
+import weakref
+
+import torch
+
+from specdecode.model.cache import KVCache
+
+
+@dataclasses.dataclass
+class Command:
+    """One operation for the worker ranks."""
+
+    op: str
+    """'forward', 'make_cache', 'commit' or 'stop'."""
+    model: str = "target"
+    """Which of the worker's models."""
+    cache_id: int | None = None
+    """The cache the operation uses (ids are rank 0's)."""
+    args: dict = dataclasses.field(default_factory=dict)
+    """The operation's arguments (CPU tensors)."""
+    lengths: torch.Tensor | None = None
+    """The cache's committed lengths [slots] on rank 0 just before the operation (workers copy them)."""
+    freed: list[int] = dataclasses.field(default_factory=list)
+    """Caches rank 0 has dropped since the last command: the workers drop theirs."""
+
+
+def _cpu(value):
+    return value.cpu() if isinstance(value, torch.Tensor) else value
+
+
+class ParallelCache:
+    """Rank 0's KVCache of a tensor-parallel model (its KV heads only). Lengths change locally (reset, advance,
+    rollback, direct writes) and travel with the next command; a commit moves cache entries, so it is broadcast."""
+
+    def __init__(self, local: KVCache, cache_id: int, runtime):
+        self.local, self.cache_id, self.runtime = local, cache_id, runtime
+        weakref.finalize(self, runtime.freed.append, cache_id)
+
+    def __getattr__(self, name):
+        return getattr(self.local, name)
+
+    def commit(self, slots: torch.Tensor, kept: torch.Tensor, n_kept: torch.Tensor) -> None:
+        args = {"slots": _cpu(slots), "kept": _cpu(kept), "n_kept": _cpu(n_kept)}
+        self.runtime.send(Command("commit", cache_id=self.cache_id, args=args, lengths=self.local.lengths.clone()))
+        self.local.commit(slots, kept, n_kept)
+
+
+class ParallelModel:
+    """Rank 0's shard of a tensor-parallel LlamaForCausalLM, called as the model itself (other attributes are
+    the shard's: config, device, embeddings and LM head, which every rank holds whole)."""
+
+    def __init__(self, name: str, local, runtime, unsharded_digest: str | None = None):
+        self.name, self.local, self.runtime = name, local, runtime
+        self.unsharded_digest = unsharded_digest
+        """weights_digest of the whole model (speculators check it): the shard's own would name other weights."""
+
+    def __getattr__(self, name):
+        return getattr(self.local, name)
+
+    def make_cache(self, slots: int, max_len: int) -> ParallelCache:
+        cache_id = next(self.runtime.cache_ids)
+        self.runtime.send(Command("make_cache", self.name, cache_id, {"slots": slots, "max_len": max_len}))
+        return ParallelCache(self.local.make_cache(slots, max_len), cache_id, self.runtime)
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                 cache: ParallelCache | None = None, slots: torch.Tensor | None = None,
+                 tree_mask: torch.Tensor | None = None, hidden_layers: tuple[int, ...] = (),
+                 compute_logits: bool = True, inputs_embeds: torch.Tensor | None = None, pending: int = 0):
+        """LlamaForCausalLM.forward on every rank; returns rank 0's output (the whole model's)."""
+        args = {"input_ids": input_ids, "positions": positions, "slots": slots, "tree_mask": tree_mask,
+                "inputs_embeds": inputs_embeds, "pending": pending}
+        self.runtime.send(Command("forward", self.name, None if cache is None else cache.cache_id,
+                                  {k: _cpu(v) for k, v in args.items()},
+                                  None if cache is None else cache.local.lengths.clone()))
+        return self.local(input_ids, positions, None if cache is None else cache.local, slots, tree_mask,
+                          hidden_layers, compute_logits, inputs_embeds, pending)
+
+    forward = __call__
