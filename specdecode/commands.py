@@ -37,4 +37,9 @@ def _bench(sub):
     register(sub)
 
 
-REGISTRY = [_generate, _chat, _serve, _models, _train, _bench, _datastore]
+def _plan(sub):
+    from specdecode.plan import register
+    register(sub)
+
+
+REGISTRY = [_generate, _chat, _serve, _models, _train, _bench, _datastore, _plan]

@@ -10,6 +10,7 @@ import dataclasses
 import time
 from pathlib import Path
 
+from specdecode.dist.flags import add_scaleout_args, scaleout_kwargs
 from specdecode.errors import ConfigError
 from specdecode.models.registry import (DEFAULT_MODEL, MODELS, default_speculative_config, model_name,
                                         resolve_model)
@@ -66,6 +67,7 @@ def register(sub) -> None:
                    help="wrap PROMPT in the model's chat template as one user message and print only the answer")
     add_model_args(p)
     add_quantization_arg(p)
+    add_scaleout_args(p)
     add_sampling_args(p)
     p.add_argument("--compare", action="store_true",
                    help="run plain and speculative decoding on the prompt and print the speedup")
@@ -188,7 +190,7 @@ def cmd_generate(args) -> int:
     params = sampling_params(args)  # (checked before a model is fetched or loaded)
     model_dir, config, _ = resolve_models(args)
     llm = LLM(model=model_dir, dtype=args.dtype, device=args.device, speculative_config=config, max_num_seqs=1,
-              quantization=args.quantization)
+              quantization=args.quantization, **scaleout_kwargs(args))
     prompt = args.prompt
     if args.chat:
         prompt = llm.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])

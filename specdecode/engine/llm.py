@@ -21,6 +21,7 @@ from specdecode.errors import ConfigError
 from specdecode.model.loading import load_model, resolve_device
 from specdecode.model.tokenizer import Tokenizer
 from specdecode.models.registry import default_speculative_config, model_name, resolve_model
+from specdecode.plan import memory_budget_bytes, plan_memory
 from specdecode.sampling import SamplingParams
 from specdecode.spec.config import SpeculativeConfig, build_proposer, with_shipped_speculator
 from specdecode.spec.control import SpecController, measure_costs
@@ -30,7 +31,8 @@ class LLM:
     def __init__(self, model: str | Path | None = None, dtype: str = "auto", device: str | None = None,
                  speculative_config: dict | SpeculativeConfig | str | None = None, max_num_seqs: int = 32,
                  max_model_len: int | None = None, quantization: str | None = None, tensor_parallel_size: int = 1,
-                 draft_tensor_parallel_size: int | None = None):
+                 draft_tensor_parallel_size: int | None = None, memory_budget: int | None = None,
+                 gpu_memory_utilization: float | None = None):
         """model: a model name (default: smollm2-135m-instruct, fetched on first use), a .gguf file, or a
         Hugging Face checkpoint directory.
         speculative_config: vLLM-style dict, e.g. {"method": "ngram", "num_speculative_tokens": 8}; None (default)
@@ -41,7 +43,10 @@ class LLM:
         quantization: None, or "int8" (weight-only int8 linear layers of the target; needs bfloat16 on CPU).
         tensor_parallel_size: ranks the target's heads and MLP are sharded over (processes on this machine: gloo
         on CPU, NCCL with one CUDA device each); this process is rank 0 and runs the proposer.
-        draft_tensor_parallel_size: 1 (default): the draft model or head runs whole on rank 0."""
+        draft_tensor_parallel_size: 1 (default): the draft model or head runs whole on rank 0.
+        memory_budget (bytes per rank) or gpu_memory_utilization (fraction of each CUDA device): size the batch with
+        the capacity plan (specdecode/plan.py): max_num_seqs becomes the most sequences of max_model_len that fit,
+        the caches are allocated now, and a configuration where not even one fits is refused here."""
         if isinstance(speculative_config, str):
             if speculative_config != "auto":
                 raise ConfigError(f"speculative_config must be a dict, None or 'auto', got {speculative_config!r}")
@@ -49,6 +54,14 @@ class LLM:
         self.model_name = model_name(model)
         self.model_dir = resolve_model(model)
         self.device = resolve_device(device)
+        self.spec_config = SpeculativeConfig.parse(with_shipped_speculator(speculative_config, model))
+        budget = memory_budget_bytes(self.device, memory_budget, gpu_memory_utilization)
+        if budget is not None:
+            self.plan = plan_memory(self.model_dir, budget, max_model_len, max_num_seqs, self.spec_config, dtype,
+                                    self.device, tensor_parallel_size, quantization=quantization)
+            if self.plan.largest_batch() < 1:
+                raise ConfigError(self.plan.refusal())
+            max_num_seqs = min(max_num_seqs, self.plan.largest_batch())
         check_draft_tensor_parallel(draft_tensor_parallel_size)
         if tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
@@ -64,13 +77,15 @@ class LLM:
         self.max_num_seqs = max_num_seqs
         self.max_model_len = min(max_model_len or self.target.config.max_position_embeddings,
                                  self.target.config.max_position_embeddings)
-        self.spec_config = SpeculativeConfig.parse(with_shipped_speculator(speculative_config, model))
         self.proposer = build_proposer(self.spec_config, self.target, self.tokenizer, dtype, self.device,
                                        self.model_dir)
         self.runner = StepRunner(self.target, self.proposer)
         self.controller = self.make_controller() if self.spec_config and self.spec_config.adaptive else None
         self.total_stats = SpecStats()
         self._ids = itertools.count()
+        if budget is not None:  # allocate what the plan counted now, not at the first long request
+            self.runner.ensure_capacity(self.max_num_seqs, self.max_model_len,
+                                        self.spec_config.tree_size if self.proposer is not None else 0)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (they also stop when this LLM is collected)."""

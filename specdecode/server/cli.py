@@ -6,6 +6,7 @@ import logging
 import os
 from pathlib import Path
 
+from specdecode.dist.flags import add_scaleout_args, scaleout_kwargs
 from specdecode.errors import ConfigError
 from specdecode.server.limits import add_limit_args, limits_from_args
 from specdecode.spec.config import METHODS
@@ -60,6 +61,7 @@ def register(sub) -> None:
                    help="seconds one engine iteration may take before /health reports the engine stalled "
                         "(default 300)")
     add_limit_args(p)
+    add_scaleout_args(p)
     p.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
     p.set_defaults(func=cmd_serve, compare=False)
 
@@ -117,7 +119,7 @@ def cmd_serve(args) -> int:
         if args.disable_by_batch_size is not None:
             config["disable_by_batch_size"] = args.disable_by_batch_size
     llm = LLM(model=model_dir, dtype=args.dtype, device=args.device, speculative_config=config,
-              max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
+              max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, **scaleout_kwargs(args))
     engine = AsyncEngine(llm, max_waiting=args.max_waiting, stall_timeout=args.stall_timeout or STALL_TIMEOUT)
     name = args.served_model_name or model_name
     app = build_app(engine, name, api_key=key, limits=limits, allowed_hosts=allowed_hosts(args))

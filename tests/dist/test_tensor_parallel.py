@@ -97,3 +97,15 @@ def test_sizes_that_do_not_divide_the_heads_are_refused(tiny_models):
         LLM(str(tiny_models["target"]), dtype="float32", tensor_parallel_size=4)  # refused before any process starts
     with pytest.raises(ConfigError, match="draft_tensor_parallel_size=2"):
         LLM(str(tiny_models["target"]), dtype="float32", tensor_parallel_size=2, draft_tensor_parallel_size=2)
+
+
+def test_generate_command_takes_the_flag(tiny_models, capsys):
+    from specdecode.cli import main
+
+    texts = []
+    for size in ("1", "2"):
+        argv = ["generate", "def add(a, b):", "--model", str(tiny_models["target"]), "--max-tokens", "8",
+                "--dtype", "float32", "--tensor-parallel-size", size]
+        assert main(argv) == 0
+        texts.append(capsys.readouterr().out.strip().splitlines()[:-1])  # the speed line differs
+    assert texts[0] == texts[1] and texts[0]

@@ -1,0 +1,270 @@
+"""Capacity plan: how much device memory a serving configuration needs, and the largest batch that fits.
+
+Counts what the engine allocates per rank (rank 0, which also holds the proposer): the target's weights (its
+1/N share of every layer under tensor parallelism, embeddings and LM head whole) plus the derived copy that a
+packed linear backend keeps (oneDNN on x86 CPUs, see model/linear.py); the draft model or speculator heads; the KV
+caches (target and draft, static: every slot holds max_model_len plus one verified tree); and activations, taken
+at their peak: a prefill of every slot's full-length prompt at once, which the scheduler may run. A fraction of
+the budget (headroom, default 15%) is left unplanned for the allocator, fragmentation and the runtime.
+`specdecode plan` prints it; LLM(memory_budget=...) sizes its batch with it and refuses at start-up what does not
+fit.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+
+from specdecode.dist.flags import GiB
+from specdecode.errors import ConfigError
+from specdecode.model.config import ModelConfig
+from specdecode.model.linear import resolve_backend
+from specdecode.model.loading import read_config, resolve_device, resolve_dtype
+
+DEFAULT_HEADROOM = 0.15
+"""Fraction of the budget never planned for (the seeds' advice: keep 15-20%)."""
+
+
+@dataclasses.dataclass
+class Memory:
+    """What one model (target, draft or heads) costs on rank 0."""
+
+    weights: int
+    """Bytes of parameters, plus the packed linear copies where the backend keeps them."""
+    kv_per_position: int = 0
+    """KV-cache bytes per cached position of one sequence."""
+    kv_extra_positions: int = 0
+    """Positions each cache row holds beyond max_model_len (one verified tree, drafts in flight)."""
+
+
+@dataclasses.dataclass
+class MemoryPlan:
+    """The figures `specdecode plan` prints, per rank, in bytes."""
+
+    budget: int
+    """Device memory per rank."""
+    headroom: float
+    """Fraction of the budget left unplanned."""
+    max_model_len: int
+    """Positions per sequence."""
+    max_num_seqs: int
+    """Sequences asked for."""
+    target: Memory
+    """The target (this rank's shard)."""
+    draft: Memory
+    """The draft model or speculator heads (rank 0); zero for model-free methods."""
+    activation_per_seq: int
+    """Peak activation bytes per sequence (a full-length prefill row and its share of a step's logits)."""
+    tensor_parallel_size: int = 1
+    """Ranks the target is sharded over."""
+
+    def kv_per_seq(self) -> int:
+        return sum(m.kv_per_position * (self.max_model_len + m.kv_extra_positions) for m in (self.target, self.draft))
+
+    def kv(self, seqs: int | None = None) -> int:
+        return self.kv_per_seq() * (self.max_num_seqs if seqs is None else seqs)
+
+    def activations(self, seqs: int | None = None) -> int:
+        return self.activation_per_seq * (self.max_num_seqs if seqs is None else seqs)
+
+    def usable(self) -> int:
+        return int(self.budget * (1 - self.headroom))
+
+    def needed(self, seqs: int | None = None) -> int:
+        return self.target.weights + self.draft.weights + self.kv(seqs) + self.activations(seqs)
+
+    def largest_batch(self) -> int:
+        """The most sequences of max_model_len that fit the usable budget (0: not even one)."""
+        free = self.usable() - self.target.weights - self.draft.weights
+        return max(0, free // (self.kv_per_seq() + self.activation_per_seq))
+
+    @property
+    def fits(self) -> bool:
+        return self.needed() <= self.usable()
+
+    def refusal(self) -> str:
+        """Why the configuration does not fit, and what to change."""
+        largest = self.largest_batch()
+        fix = (f"lower --max-num-seqs to {largest}" if largest else
+               "not even one sequence fits: shorten --max-model-len, use a smaller dtype or more tensor-parallel ranks")
+        return (f"this configuration needs {self.needed() / GiB:.2f} GiB per rank but "
+                f"{self.usable() / GiB:.2f} GiB may be planned ({self.budget / GiB:.2f} GiB less "
+                f"{self.headroom:.0%} headroom); {fix}, or give more memory")
+
+    def render(self) -> str:
+        rows = [("target weights" + (f" (1/{self.tensor_parallel_size} of the layers)"
+                                     if self.tensor_parallel_size > 1 else ""), self.target.weights),
+                ("draft / heads weights", self.draft.weights),
+                (f"KV cache ({self.max_num_seqs} x {self.max_model_len} positions)", self.kv()),
+                ("activations (peak: prefill of every slot)", self.activations()),
+                ("total needed", self.needed()),
+                (f"budget per rank less {self.headroom:.0%} headroom", self.usable())]
+        lines = [f"{name:<48} {value / GiB:9.3f} GiB" for name, value in rows]
+        left = self.usable() - self.needed()
+        if left >= 0:
+            lines.append(f"{'left beyond that':<48} {left / GiB:9.3f} GiB"
+                         f" ({(self.budget - self.needed()) / self.budget:.0%} of the budget unused in all)")
+        else:
+            lines.append(f"{'short by':<48} {-left / GiB:9.3f} GiB")
+        lines.append(f"largest batch at {self.max_model_len} positions: {self.largest_batch()} sequences")
+        return "\n".join(lines)
+
+
+def _layer_linear_params(c: ModelConfig, tp: int) -> int:
+    """Weights (and attention biases) of one decoder layer's linear layers on one of tp ranks."""
+    d, hd = c.hidden_size, c.head_dim
+    attn = d * c.num_attention_heads * hd * 2 + d * c.num_key_value_heads * hd * 2
+    bias = (c.num_attention_heads + 2 * c.num_key_value_heads) * hd if c.attention_bias else 0
+    return (attn + bias + 3 * d * c.intermediate_size) // tp
+
+
+def _layer_other_params(c: ModelConfig) -> int:
+    return 2 * c.hidden_size + (2 * c.head_dim if c.qk_norm else 0)
+
+
+def model_memory(c: ModelConfig, itemsize: int, kv_itemsize: int, packed: bool, tp: int = 1,
+                 extra_positions: int = 0) -> Memory:
+    """A decoder's weights and KV cache per position on one of tp ranks."""
+    linear = c.num_hidden_layers * _layer_linear_params(c, tp)
+    embed = c.vocab_size * c.hidden_size
+    params = linear + c.num_hidden_layers * _layer_other_params(c) + embed * (1 if c.tie_word_embeddings else 2)
+    params += c.hidden_size  # final norm
+    copies = (linear + embed) if packed else 0  # every linear layer, the LM head too (tied or not)
+    kv = 2 * c.num_hidden_layers * (c.num_key_value_heads // tp) * c.head_dim * kv_itemsize
+    return Memory((params + copies) * itemsize, kv, extra_positions)
+
+
+def _safetensors_shapes(path: Path) -> dict[str, list[int]]:
+    """Tensor shapes from a safetensors header, without reading the tensors."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+    return {k: v["shape"] for k, v in header.items() if k != "__metadata__"}
+
+
+def head_memory(folder: Path, target: ModelConfig, itemsize: int, kv_itemsize: int, packed: bool,
+                extra_positions: int) -> Memory:
+    """EAGLE or Medusa heads: their stored weights, the output rows they copy from the target (draft vocabulary
+    x hidden), and (EAGLE) one decoder layer's KV cache."""
+    shapes = _safetensors_shapes(folder / "model.safetensors")
+    draft_vocab = shapes.pop("draft_to_target")[0]
+    stored = sum(torch.Size(s).numel() for s in shapes.values())
+    linear = sum(torch.Size(s).numel() for k, s in shapes.items() if k.endswith("weight") and len(s) == 2)
+    rows = draft_vocab * target.hidden_size
+    params = stored + rows + 2 * target.hidden_size  # the EAGLE decoder's own norm and 1-row embedding
+    copies = (linear + rows) if packed else 0
+    kind = json.loads((folder / "config.json").read_text())["kind"]
+    kv = 2 * target.num_key_value_heads * target.head_dim * kv_itemsize if kind == "eagle" else 0
+    return Memory((params + copies) * itemsize, kv, extra_positions)
+
+
+def plan_memory(model_dir: str | Path, budget: int, max_model_len: int | None, max_num_seqs: int,
+                speculative=None, dtype: str = "auto", device: str | None = None, tensor_parallel_size: int = 1,
+                headroom: float = DEFAULT_HEADROOM, quantization: str | None = None) -> MemoryPlan:
+    """The plan of a configuration (speculative: a parsed SpeculativeConfig or None)."""
+    from specdecode.dist.tp import check_divisible
+
+    if not 0.0 <= headroom < 1.0:
+        raise ConfigError(f"headroom must be in [0, 1), got {headroom}")
+    if quantization is not None:
+        raise ConfigError("the capacity plan counts float weights only; plan without --quantization")
+    config = read_config(model_dir)
+    check_divisible(config, tensor_parallel_size)
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
+    itemsize = dtype.itemsize
+    kv_itemsize = 4 if device.type == "cpu" else itemsize  # see LlamaForCausalLM.kv_dtype
+    packed = resolve_backend("auto", device, dtype) == "onednn"
+    max_model_len = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
+    tree = speculative.tree_size if speculative is not None else 0
+    target = model_memory(config, itemsize, kv_itemsize, packed, tensor_parallel_size, tree + 2)
+    draft = Memory(0)
+    if speculative is not None and speculative.method == "draft_model":
+        extra = tree + 2 + 2 + speculative.num_drafts * speculative.num_speculative_tokens  # see DraftModelProposer
+        draft = model_memory(read_config(speculative.model), itemsize, kv_itemsize, packed, 1, extra)
+    elif speculative is not None and speculative.method in ("eagle", "medusa"):
+        extra = tree + 2 + speculative.eagle_topk * speculative.max_depth + 2  # see EagleProposer.ensure_cache
+        draft = head_memory(Path(speculative.model), config, itemsize, kv_itemsize, packed, extra)
+    d, tp = config.hidden_size, tensor_parallel_size
+    qkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim // tp
+    per_token = (5 * d + qkv + 3 * config.intermediate_size // tp) * itemsize  # a layer's live tensors
+    step_logits = (1 + tree) * config.vocab_size * 4 * 2  # float32 logits and processed probabilities
+    activation_per_seq = max_model_len * per_token + step_logits
+    return MemoryPlan(budget, headroom, max_model_len, max_num_seqs, target, draft, activation_per_seq, tp)
+
+
+def memory_budget_bytes(device: torch.device, memory_budget: int | None,
+                        gpu_memory_utilization: float | None) -> int | None:
+    """Bytes per rank the engine may plan for: memory_budget as given, or a fraction of a CUDA device's memory."""
+    if memory_budget is not None and gpu_memory_utilization is not None:
+        raise ConfigError("give memory_budget or gpu_memory_utilization, not both")
+    if gpu_memory_utilization is None:
+        if memory_budget is not None and memory_budget <= 0:
+            raise ConfigError(f"memory_budget must be > 0 bytes, got {memory_budget}")
+        return memory_budget
+    if device.type != "cuda":
+        raise ConfigError("gpu_memory_utilization applies to CUDA devices; on the CPU give a byte budget "
+                          "(--memory-budget GiB)")
+    if not 0.0 < gpu_memory_utilization <= 1.0:
+        raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+    return int(torch.cuda.get_device_properties(device).total_memory * gpu_memory_utilization)
+
+
+def module_bytes(*modules) -> int:
+    """Bytes the modules hold: distinct parameter and buffer storages, plus packed linear copies."""
+    from specdecode.model.linear import PackedLinear
+
+    seen, total = set(), 0  # storages and modules shared between the modules are counted once
+    for module in modules:
+        for tensor in [*module.parameters(), *module.buffers()]:
+            if tensor.data_ptr() not in seen:
+                seen.add(tensor.data_ptr())
+                total += tensor.numel() * tensor.element_size()
+        for sub in module.modules():
+            if isinstance(sub, PackedLinear) and isinstance(sub.packed, torch.Tensor) and id(sub) not in seen:
+                seen.add(id(sub))
+                total += sub.packed.numel() * sub.packed.element_size()
+    return total
+
+
+def cache_bytes(cache) -> int:
+    return sum(t.numel() * t.element_size() for t in [*cache.k, *cache.v])
+
+
+def register(sub) -> None:
+    from specdecode.engine.cli import add_model_args
+
+    p = sub.add_parser("plan", help="capacity plan: memory of a serving configuration, the largest batch that fits",
+                       description="Print the memory per rank of the target, the draft or heads, the KV cache and "
+                                   "activations, the headroom left and the largest batch that fits DEVICE_MEMORY; "
+                                   "exit with status 1 if the configuration does not fit.")
+    add_model_args(p)
+    p.add_argument("--max-model-len", type=int, default=None, help="positions per sequence (default: the model's)")
+    p.add_argument("--max-num-seqs", type=int, default=32, help="sequences decoded at once (default 32)")
+    p.add_argument("--device-memory", type=float, required=True, metavar="GiB", help="memory per device (rank)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks the target is sharded over")
+    p.add_argument("--headroom", type=float, default=DEFAULT_HEADROOM,
+                   help=f"fraction of the memory never planned for (default {DEFAULT_HEADROOM})")
+    p.set_defaults(func=cmd_plan, compare=False)
+
+
+def cmd_plan(args) -> int:
+    from specdecode.engine.cli import resolve_models
+    from specdecode.spec.config import SpeculativeConfig
+
+    if args.max_num_seqs < 1:
+        raise ConfigError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
+    model_dir, config, name = resolve_models(args)
+    plan = plan_memory(model_dir, int(args.device_memory * GiB), args.max_model_len, args.max_num_seqs,
+                       SpeculativeConfig.parse(config), args.dtype, args.device, args.tensor_parallel_size,
+                       args.headroom)
+    method = config["method"] if config else "none"
+    print(f"{name}, speculation: {method}, tensor parallel: {args.tensor_parallel_size}, "
+          f"{args.device_memory:g} GiB per rank")
+    print(plan.render())
+    if not plan.fits:
+        print(f"does not fit: {plan.refusal()}")
+        return 1
+    return 0
