@@ -1,14 +1,16 @@
-"""`specdecode bench`: every engine side by side on the shipped workloads, in one process and one run.
+"""`specdecode bench`: plain decoding, every speculative method and transformers' generate() side by side on real
+work, in one process and one run.
 
-Engines: specdecode plain decoding and each speculative method, and (optionally) transformers' generate() plain,
-assisted and with prompt lookup, on the same checkpoints and the same prompt token ids; greedy, batch 1, EOS
-ignored so that all of them make the same number of tokens. Prompts run one at a time with every engine in turn,
-so that a change of load on the machine hits all engines alike. Then a batch-size sweep (plain vs fixed K vs
-adaptive, specdecode.bench.sweep) and a roofline for plain decoding.
+Workloads: held-out ShareGPT by category (specdecode.bench.categories), or a workload file. Each prompt is rendered
+in the model's chat template once, and every engine decodes the same token ids, batch 1, stopping at EOS or
+max_tokens, at each temperature (T=0 greedy; T>0 seeded sampling). Prompts run one at a time with every engine in
+turn, so a change of load on the machine hits all engines alike, and speedups are ratios within the run. Then a
+batch-size sweep (plain vs fixed K vs adaptive, specdecode.bench.sweep) and a roofline for plain decoding.
 """
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import platform
 import sys
@@ -19,109 +21,141 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
+from specdecode.bench.categories import CATEGORIES, Prompt, heldout_workloads, load_workload_file
 from specdecode.bench.measure import EngineTotals, Trace, trace_generate
 from specdecode.bench.roofline import measure_read_bandwidth, roofline
-from specdecode.bench.workloads import WORKLOADS, load_workload
 from specdecode.engine.llm import LLM
 from specdecode.errors import ConfigError
 from specdecode.hardware import cpu_name
 from specdecode.model.loading import resolve_device
+from specdecode.models.registry import DEFAULT_MODEL, MODELS, resolve_model, shipped_speculator
 from specdecode.sampling import SamplingParams
 
-METHODS = ("draft_chain", "draft_tree", "ngram", "adaptive")
+METHODS = ("draft_model", "eagle", "medusa", "ngram", "lookahead", "rest")
+"""Speculative methods of the per-request table (vLLM's names), each besides plain decoding."""
+NEEDS_NOTHING = ("ngram", "lookahead")
+"""Methods that need no speculator, so they run on any model."""
 PEERS = ("hf_plain", "hf_assisted", "hf_prompt_lookup")
 ALL = "all"
-"""The key under which every workload's prompts are summed."""
+"""The key under which every category's prompts are summed."""
+LABELS = {"plain": "plain", "draft_model": "draft model", "eagle": "EAGLE-2", "medusa": "Medusa",
+          "ngram": "prompt lookup", "lookahead": "Lookahead", "rest": "REST", "hf_plain": "transformers plain",
+          "hf_assisted": "transformers assisted (our draft)", "hf_prompt_lookup": "transformers prompt lookup"}
 
 
 @dataclasses.dataclass
 class BenchConfig:
     """What `specdecode bench` runs."""
 
-    target: Path
-    """Target checkpoint directory."""
-    draft: Path | None
-    """Draft checkpoint directory (None: only the methods that need no draft model)."""
+    model: str | None = None
+    """Target: a model name, .gguf file or checkpoint directory (None: the default model, with its shipped
+    speculators)."""
+    speculators: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Method -> speculator directory (draft checkpoint, EAGLE/Medusa heads, REST datastore) overriding the shipped
+    one; the draft_model entry is also transformers' assistant."""
     out: Path = Path("bench_results")
     """Where results.json, report.md and the plots go."""
-    workloads: tuple[str, ...] = WORKLOADS
-    """Shipped workloads to run (specdecode.bench.workloads)."""
+    workload_file: Path | None = None
+    """A JSON workload file (specdecode.bench.categories.load_workload_file) instead of held-out ShareGPT."""
+    categories: tuple[str, ...] = CATEGORIES
+    """ShareGPT categories to run (those the held-out set has no prompt of are left out)."""
     prompts: int = 8
-    """Prompts per workload."""
+    """Prompts per category."""
     max_tokens: int = 128
-    """Tokens generated per prompt (EOS ignored)."""
-    methods: tuple[str, ...] = METHODS
-    """Speculative methods, besides plain decoding, that always runs."""
-    num_speculative_tokens: int = 4
-    """K of the draft-model methods (the adaptive controller's upper bound)."""
-    num_drafts: int = 2
-    """Chains of the draft_tree method."""
-    ngram_tokens: int = 8
-    """K of n-gram prompt lookup (transformers' prompt_lookup_num_tokens gets the same)."""
-    peers: bool = True
-    """Also run transformers' generate() (plain, assisted, prompt lookup)."""
+    """Most tokens generated per request (EOS ends a request earlier)."""
+    max_prompt_tokens: int = 768
+    """Prompts longer than this in the chat template are skipped."""
+    temperatures: tuple[float, ...] = (0.0, 1.0)
+    """One per-request table per temperature; T>0 samples with seed = prompt index (same seeds for every engine)."""
+    methods: tuple[str, ...] | None = None
+    """Speculative methods besides plain decoding (None: every method this model has a speculator for)."""
+    num_speculative_tokens: int | None = None
+    """K of every method (None: each method's default); the adaptive controller's upper bound."""
     adaptive: bool = True
-    """draft_chain, draft_tree and ngram choose K per step (the default everywhere); False: they always draft K."""
-    sweep_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    """Methods choose K per step (the default everywhere); False: they always draft K."""
+    peers: bool = True
+    """Also run transformers' generate() (plain, assisted with the draft_model speculator, prompt lookup)."""
+    ngram_tokens: int = 10
+    """transformers' prompt_lookup_num_tokens (its default)."""
+    sweep_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     """Batch sizes of the plain vs fixed K vs adaptive sweep (empty: no sweep)."""
+    sweep_method: str = "ngram"
+    """Speculative method of the sweep."""
     sweep_ks: tuple[int, ...] = (1, 2, 3, 4, 5)
     """Fixed draft lengths of the sweep (the largest is adaptive's upper bound there)."""
     sweep_max_tokens: int = 64
-    """Tokens per request in the sweep."""
+    """Tokens per request in the sweep (EOS ignored, so every mode does the same work)."""
     sweep_repeats: int = 3
-    """Runs per sweep point; the median counts."""
-    sweep_prompt_tokens: int = 64
-    """Prompt tokens per sweep request (the last ones of each completion prompt); short prompts keep the
-    prefill of 32-request batches, repeated for every mode, from dominating the sweep's run time."""
+    """Runs per sweep point; the fastest counts."""
+    sweep_prompt_tokens: int = 128
+    """Prompt tokens per sweep request (the last ones of each benchmark prompt), so that the prefill of 64-request
+    batches, repeated for every mode, does not dominate the sweep's run time."""
     dtype: str = "float32"
     """Weights' dtype for every engine."""
     device: str | None = None
     """cpu, cuda, ... (default: cuda if available)."""
     note: str = ""
     """Free text for the report (e.g. what else ran on the machine)."""
+    command: str = ""
+    """The command line that started the run, for the report."""
 
     def __post_init__(self):
-        unknown = sorted(set(self.workloads) - set(WORKLOADS))
+        unknown = sorted(set(self.categories) - set(CATEGORIES)) if self.workload_file is None else []
         if unknown:
-            raise ConfigError(f"unknown workload(s) {unknown}; choose from {', '.join(WORKLOADS)}")
+            raise ConfigError(f"unknown categor(ies) {unknown}; choose from {', '.join(CATEGORIES)}")
+        if self.methods is None:
+            self.methods = tuple(m for m in METHODS if self.has_speculator(m))
         unknown = sorted(set(self.methods) - set(METHODS))
         if unknown:
             raise ConfigError(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
-        for name in ("prompts", "max_tokens", "num_speculative_tokens", "num_drafts", "ngram_tokens",
-                     "sweep_max_tokens", "sweep_repeats", "sweep_prompt_tokens"):
+        for name in ("prompts", "max_tokens", "max_prompt_tokens", "ngram_tokens", "sweep_max_tokens",
+                     "sweep_repeats", "sweep_prompt_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.sweep_batch_sizes and (self.draft is None or min(self.sweep_batch_sizes) < 1 or not self.sweep_ks):
-            raise ConfigError("the batch sweep needs a draft model, batch sizes >= 1 and at least one K")
+        if not self.temperatures or min(self.temperatures) < 0:
+            raise ConfigError(f"temperatures must be >= 0 and at least one, got {self.temperatures}")
+        if self.sweep_batch_sizes and (min(self.sweep_batch_sizes) < 1 or not self.sweep_ks or min(self.sweep_ks) < 1):
+            raise ConfigError("the batch sweep needs batch sizes >= 1 and at least one K >= 1")
+        if self.sweep_batch_sizes and not self.has_speculator(self.sweep_method):
+            raise ConfigError(f"the sweep's method {self.sweep_method} has no speculator for this model; pass "
+                              f"--sweep-method ngram or a --speculator {self.sweep_method}=DIR")
+
+    @property
+    def named(self) -> bool:
+        """Whether the target is a registry name (None = the default), which brings its shipped speculators."""
+        name = DEFAULT_MODEL if self.model is None else str(self.model)
+        return name in MODELS and not Path(name).exists()
+
+    def has_speculator(self, method: str) -> bool:
+        if method in NEEDS_NOTHING or method in self.speculators:
+            return True
+        if method == "rest":  # the default model's datastore is built on first use
+            return self.named
+        return self.named and shipped_speculator(self.model, method) is not None
+
+    def draft_dir(self) -> Path | None:
+        """The draft checkpoint of the draft_model method (transformers' assistant too)."""
+        given = self.speculators.get("draft_model")
+        return Path(given) if given else (shipped_speculator(self.model, "draft_model") if self.named else None)
 
     @classmethod
     def quick(cls, **overrides) -> "BenchConfig":
-        """A run of a few minutes: fewer prompts and tokens, one sweep run per point, two fixed K."""
-        settings = dict(prompts=3, max_tokens=48, sweep_ks=(2, 4), sweep_max_tokens=32, sweep_repeats=1)
+        """A run of a few minutes: one prompt per category, 32 tokens, T=0 only, a short sweep."""
+        settings = dict(prompts=1, max_tokens=32, max_prompt_tokens=512, temperatures=(0.0,),
+                        sweep_batch_sizes=(1, 4, 16), sweep_ks=(2, 4), sweep_max_tokens=16, sweep_repeats=1,
+                        sweep_prompt_tokens=64)
         return cls(**{**settings, **overrides})
 
 
-def method_config(method: str, config: BenchConfig) -> dict:
-    """The speculative_config of a method."""
-    k = config.num_speculative_tokens
-    draft = {"method": "draft_model", "model": str(config.draft), "num_speculative_tokens": k,
-             "adaptive": config.adaptive}
-    return {"draft_chain": draft,
-            "draft_tree": {**draft, "num_drafts": config.num_drafts},
-            "ngram": {"method": "ngram", "num_speculative_tokens": config.ngram_tokens, "prompt_lookup_max": 4,
-                      "prompt_lookup_min": 2, "adaptive": config.adaptive},
-            "adaptive": {**draft, "adaptive": True}}[method]
-
-
-def engine_labels(config: BenchConfig) -> dict[str, str]:
-    k = config.num_speculative_tokens
-    at_most = "<=" if config.adaptive else "="  # adaptive: K is the upper bound
-    return {"plain": "specdecode plain", "draft_chain": f"specdecode draft model, chain K{at_most}{k}",
-            "draft_tree": f"specdecode draft model, tree {config.num_drafts}x{k}{' adaptive' * config.adaptive}",
-            "ngram": f"specdecode n-gram lookup K{at_most}{config.ngram_tokens}",
-            "adaptive": f"specdecode adaptive draft model (K<={k})", "hf_plain": "transformers plain",
-            "hf_assisted": "transformers assisted (same draft)",
-            "hf_prompt_lookup": f"transformers prompt lookup ({config.ngram_tokens} tokens)"}
+def method_config(method: str, config: BenchConfig, adaptive: bool | None = None, k: int | None = None) -> dict:
+    """The speculative_config of a method (its shipped speculator, unless config.speculators names one)."""
+    out = {"method": method, "adaptive": config.adaptive if adaptive is None else adaptive}
+    if config.speculators.get(method):
+        out["model"] = str(config.speculators[method])
+    k = k or config.num_speculative_tokens
+    if k:
+        out["num_speculative_tokens"] = k
+    return out
 
 
 def machine_info(device: torch.device) -> dict:
@@ -135,81 +169,114 @@ def machine_info(device: torch.device) -> dict:
     return info
 
 
-def fit_prompt(ids: list[int], llm: LLM, max_tokens: int, tree: int) -> list[int]:
-    """The prompt's last tokens, as many as leave room for max_tokens and a draft tree in the context."""
-    room = llm.max_model_len - max_tokens - tree - 2
-    if room < 1:
-        raise ConfigError(f"max_tokens {max_tokens} does not fit the model's context of {llm.max_model_len}")
-    return ids[-room:]
+def share_target(llm: LLM, target) -> None:
+    """Point an engine at another engine's copy of the same target weights, so that seven engines hold one copy
+    (a prepacked float32 SmolLM2 is ~1.1 GB). Safe here: the engines run one request at a time, each with its own
+    caches (the target holds weights only), and each was loaded from the same checkpoint in the same dtype."""
+    llm.target = llm.runner.target = target
+    gc.collect()
 
 
-def build_engines(config: BenchConfig, log: Callable[[str], None]) -> tuple[dict[str, Callable], LLM, dict]:
-    """name -> run(prompt_ids, max_tokens) -> Trace for every engine of this run; also the plain LLM and the
-    transformers engines' settings."""
-    has_draft = config.draft is not None
-    methods = [m for m in config.methods if has_draft or m == "ngram"]
-    llms = {"plain": LLM(config.target, dtype=config.dtype, device=config.device, max_num_seqs=1)}
-    for method in methods:
+Run = Callable[[list[int], int, float, int], Trace]
+"""An engine: run(prompt_ids, max_tokens, temperature, seed) -> Trace."""
+
+
+def _cpu_timed(run: Run) -> Run:
+    """The engine, with the process's CPU time during each call noted on its trace (the cost line)."""
+    def timed(ids, n, temperature, seed):
+        start = time.process_time()
+        trace = run(ids, n, temperature, seed)
+        trace.cpu_seconds = time.process_time() - start
+        return trace
+    return timed
+
+
+def build_engines(config: BenchConfig, log: Callable[[str], None]) -> tuple[dict[str, Run], LLM, dict, dict]:
+    """name -> Run for every engine of this run; also the plain LLM, the transformers engines' settings and each
+    method's speculative_config as the engine resolved it."""
+    sizes = {"max_num_seqs": 1, "max_model_len": config.max_prompt_tokens + config.max_tokens + 96}
+    llms = {"plain": LLM(config.model, dtype=config.dtype, device=config.device, **sizes)}
+    for method in config.methods:
         log(f"loading {method}")
-        llms[method] = LLM(config.target, dtype=config.dtype, device=config.device, max_num_seqs=1,
-                           speculative_config=method_config(method, config))
+        llms[method] = LLM(config.model, dtype=config.dtype, device=config.device,
+                           speculative_config=method_config(method, config), **sizes)
+        share_target(llms[method], llms["plain"].target)
 
-    def ours(llm: LLM) -> Callable[[list[int], int], Trace]:
-        return lambda ids, n: trace_generate(llm, ids, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    def ours(llm: LLM) -> Run:
+        return lambda ids, n, temperature, seed: trace_generate(
+            llm, ids, SamplingParams(temperature=temperature, max_tokens=n, seed=seed))
 
-    engines = {name: ours(llm) for name, llm in llms.items()}
+    engines = {name: _cpu_timed(ours(llm)) for name, llm in llms.items()}
+    resolved = {name: dataclasses.asdict(llm.spec_config) for name, llm in llms.items() if llm.spec_config}
     peer_settings = {}
     if config.peers:
         from specdecode.bench.peers import TransformersEngine
 
         log("loading transformers")
-        hf_dtype = llms["plain"].target.dtype
-        plain = TransformersEngine("plain", config.target, dtype=hf_dtype, device=llms["plain"].device)
+        target_dir = resolve_model(config.model)
+        hf = dict(dtype=llms["plain"].target.dtype, device=llms["plain"].device, ignore_eos=False)
+        plain = TransformersEngine("plain", target_dir, **hf)
         peers = {"hf_plain": plain}
-        if has_draft:
-            peers["hf_assisted"] = TransformersEngine("assisted", config.target, config.draft, dtype=hf_dtype,
-                                                      device=plain.device, shared_target=plain.model)
-        peers["hf_prompt_lookup"] = TransformersEngine("prompt_lookup", config.target,
-                                                       prompt_lookup_num_tokens=config.ngram_tokens, dtype=hf_dtype,
-                                                       device=plain.device, shared_target=plain.model)
+        draft = config.draft_dir()
+        if draft is not None:
+            peers["hf_assisted"] = TransformersEngine("assisted", target_dir, draft, shared_target=plain.model, **hf)
+        peers["hf_prompt_lookup"] = TransformersEngine("prompt_lookup", target_dir, shared_target=plain.model,
+                                                       prompt_lookup_num_tokens=config.ngram_tokens, **hf)
         for name, peer in peers.items():
-            engines[name] = peer.generate
+            engines[name] = _cpu_timed(peer.generate)
             peer_settings[name] = peer.settings()
-    return engines, llms["plain"], peer_settings
+    return engines, llms["plain"], peer_settings, resolved
 
 
-def run_workloads(config: BenchConfig, engines: dict[str, Callable], plain: LLM,
-                  ) -> tuple[dict[str, dict[str, EngineTotals]], dict[str, list[int]]]:
-    """Every prompt of every workload through every engine; totals per workload (and ALL) and engine."""
-    tree = max(config.num_speculative_tokens * config.num_drafts, config.ngram_tokens)
-    prompts = {w: [fit_prompt(plain.tokenizer.encode(p), plain, config.max_tokens, tree)
-                   for p in load_workload(w, config.prompts)] for w in config.workloads}
-    first = next(iter(prompts.values()))[0]
-    for run in tqdm(engines.values(), desc="warm-up", leave=False):  # one-time costs out of the measurement
-        run(first, 16)
-    totals = {w: {name: EngineTotals() for name in engines} for w in [*config.workloads, ALL]}
-    bar = tqdm(total=sum(map(len, prompts.values())) * len(engines), desc="bench", unit="run")
-    for workload, ids_list in prompts.items():
+def load_prompts(config: BenchConfig, tokenizer) -> dict[str, list[Prompt]]:
+    """The run's prompts by category: the workload file's, else held-out ShareGPT's that fit max_prompt_tokens."""
+    def fits(messages: list[dict]) -> bool:
+        return len(tokenizer.encode_chat(messages)) <= config.max_prompt_tokens
+
+    if config.workload_file is not None:
+        prompts = load_workload_file(config.workload_file, config.prompts)
+        prompts = {c: [p for p in ps if fits(p.messages)] for c, ps in prompts.items()}
+    else:
+        prompts = heldout_workloads(config.prompts, fits, config.categories)
+    prompts = {c: ps for c, ps in prompts.items() if ps}
+    if not prompts:
+        raise ConfigError(f"no prompt fits --max-prompt-tokens {config.max_prompt_tokens}; raise it")
+    return prompts
+
+
+def _strip_eos(ids: list[int], eos: set[int]) -> list[int]:
+    return ids[:-1] if ids and ids[-1] in eos else ids
+
+
+def run_requests(config: BenchConfig, engines: dict[str, Run], prompt_ids: dict[str, list[list[int]]],
+                 temperature: float, eos: set[int], bar) -> dict[str, dict[str, EngineTotals]]:
+    """Every prompt of every category through every engine in turn at one temperature; totals per category (and
+    ALL) and engine."""
+    totals = {c: {name: EngineTotals() for name in engines} for c in [*prompt_ids, ALL]}
+    seed = 0
+    for category, ids_list in prompt_ids.items():
         for ids in ids_list:
+            seed += 1
             for name, run in engines.items():
-                bar.set_postfix_str(f"{workload}: {name}")
-                trace = run(ids, config.max_tokens)
-                totals[workload][name].add(trace)
+                bar.set_postfix_str(f"T={temperature:g} {category}: {name}")
+                trace = run(ids, config.max_tokens, temperature, seed)
+                trace.token_ids = _strip_eos(trace.token_ids, eos)  # engines differ in whether EOS is returned
+                totals[category][name].add(trace)
                 totals[ALL][name].add(trace)
                 bar.update()
-    bar.close()
-    return totals, {w: [len(ids) for ids in ids_list] for w, ids_list in prompts.items()}
+    return totals
 
 
 def summarise(totals: dict[str, EngineTotals]) -> dict[str, dict]:
-    """Per engine: its figures, speedup over its own library's plain decoding, and how many prompts gave
-    exactly the tokens of specdecode's plain decoding (and of its own library's plain decoding)."""
+    """Per engine: its figures, speedup over its own library's plain decoding and over ours (`vs_plain`), and how
+    many prompts gave exactly the tokens of specdecode's plain decoding (and of its own library's plain)."""
     out = {}
     reference = totals["plain"].outputs
     for name, t in totals.items():
         row = t.summary()
         own_plain = totals["hf_plain" if name.startswith("hf_") else "plain"]
         row["speedup"] = t.tokens_per_s / own_plain.tokens_per_s if own_plain.tokens_per_s else 0.0
+        row["vs_plain"] = t.tokens_per_s / totals["plain"].tokens_per_s if totals["plain"].tokens_per_s else 0.0
         row["prompts"] = len(t.outputs)
         row["same_as_plain"] = sum(a == b for a, b in zip(t.outputs, reference))
         row["same_as_own_plain"] = sum(a == b for a, b in zip(t.outputs, own_plain.outputs))
@@ -218,22 +285,28 @@ def summarise(totals: dict[str, EngineTotals]) -> dict[str, dict]:
 
 
 def compare_peers(rows: dict[str, dict]) -> dict:
-    """Ratios of specdecode's tokens/s to transformers' and of the two speedups, with the issue's goals:
-    our draft-model tokens/s >= 1.5x transformers' assisted generation, our speedup >= theirs."""
+    """Ratios of specdecode's tokens/s to transformers' and of the two speedups: plain to plain, draft model to
+    assisted generation (same draft), prompt lookup to prompt lookup; best of ours to their assisted."""
     out = {}
-    pairs = (("plain", "hf_plain"), ("draft_chain", "hf_assisted"), ("ngram", "hf_prompt_lookup"))
+    pairs = (("plain", "hf_plain"), ("draft_model", "hf_assisted"), ("ngram", "hf_prompt_lookup"))
     for ours, theirs in pairs:
         if ours in rows and theirs in rows:
             out[f"{ours}_vs_{theirs}"] = {
                 "tokens_per_s_ratio": rows[ours]["tokens_per_s"] / rows[theirs]["tokens_per_s"],
                 "our_speedup": rows[ours]["speedup"], "their_speedup": rows[theirs]["speedup"]}
-    assisted = out.get("draft_chain_vs_hf_assisted")
+    assisted = out.get("draft_model_vs_hf_assisted")
     if assisted:
-        best = max((r for n, r in rows.items() if not n.startswith("hf_") and n != "plain"),
-                   key=lambda r: r["tokens_per_s"])
+        best = max((r for n, r in rows.items() if not n.startswith("hf_")), key=lambda r: r["tokens_per_s"])
         assisted["best_ours_ratio"] = best["tokens_per_s"] / rows["hf_assisted"]["tokens_per_s"]
-        assisted["goal_tokens_per_s"] = assisted["tokens_per_s_ratio"] >= 1.5
-        assisted["goal_speedup"] = assisted["our_speedup"] >= assisted["their_speedup"]
+    return out
+
+
+def sweep_prompt_ids(prompt_ids: dict[str, list[list[int]]], tokens: int) -> list[list[int]]:
+    """The sweep's prompts: the last `tokens` tokens of every benchmark prompt, categories interleaved."""
+    lists = list(prompt_ids.values())
+    out = []
+    for i in range(max(map(len, lists))):
+        out += [ids[i][-tokens:] for ids in lists if i < len(ids)]
     return out
 
 
@@ -241,35 +314,51 @@ def run_bench(config: BenchConfig, log: Callable[[str], None] = lambda s: print(
     """Run everything and return the results (what results.json holds); report.write_report renders them."""
     start = time.perf_counter()
     info = machine_info(resolve_device(config.device))
-    engines, plain, peer_settings = build_engines(config, log)
+    engines, plain, peer_settings, resolved = build_engines(config, log)
     if config.peers:
         import transformers
 
         info["transformers"] = transformers.__version__
-    totals, prompt_lens = run_workloads(config, engines, plain)
-    workloads = {w: summarise(t) for w, t in totals.items()}
+    prompts = load_prompts(config, plain.tokenizer)
+    prompt_ids = {c: [plain.tokenizer.encode_chat(p.messages) for p in ps] for c, ps in prompts.items()}
+    first = next(iter(prompt_ids.values()))[0]
+    for run in tqdm(engines.values(), desc="warm-up", leave=False):  # one-time costs out of the measurement
+        run(first, 8, 0.0, 0)
+    eos = set(plain.tokenizer.eos_token_ids)
+    n_runs = sum(map(len, prompt_ids.values())) * len(engines) * len(config.temperatures)
+    bar = tqdm(total=n_runs, desc="per-request", unit="run")
+    tables = {}
+    for temperature in config.temperatures:
+        totals = run_requests(config, engines, prompt_ids, temperature, eos, bar)
+        tables[f"T={temperature:g}"] = {c: summarise(t) for c, t in totals.items()}
+    bar.close()
     results = {"machine": info, "settings": dataclasses.asdict(config), "peer_settings": peer_settings,
-               "labels": engine_labels(config), "workloads": workloads,
-               "peers": {w: compare_peers(rows) for w, rows in workloads.items()} if config.peers else {}}
+               "speculative_configs": resolved, "labels": LABELS,
+               "prompts": {c: [{"source": p.source, "prompt_tokens": len(ids), "reference_chars": len(p.reference)}
+                               for p, ids in zip(ps, prompt_ids[c])] for c, ps in prompts.items()},
+               "per_request": tables,
+               "peers": {t: {c: compare_peers(rows) for c, rows in table.items()} for t, table in tables.items()}
+               if config.peers else {}}
 
     log("measuring memory bandwidth")
-    all_lens = [n for lens in prompt_lens.values() for n in lens]
-    context = sum(all_lens) / len(all_lens) + config.max_tokens / 2  # mean over the decode steps
+    all_lens = [len(ids) for ids_list in prompt_ids.values() for ids in ids_list]
+    greedy = tables[next(iter(tables))][ALL]["plain"]
+    context = sum(all_lens) / len(all_lens) + greedy["tokens"] / len(all_lens) / 2  # mean over the decode steps
     results["roofline"] = roofline(plain.target, measure_read_bandwidth(device=plain.device), context,
-                                   workloads[ALL]["plain"]["tokens_per_s"])
-    sweep_tree = max(config.sweep_ks, default=0)
-    sweep_prompts = [fit_prompt(plain.tokenizer.encode(p), plain, config.sweep_max_tokens, sweep_tree)
-                     [-config.sweep_prompt_tokens:] for p in load_workload("completion")]
+                                   greedy["tokens_per_s"])
+    sweep_prompts = sweep_prompt_ids(prompt_ids, config.sweep_prompt_tokens)
     del engines, plain  # the sweep loads its own engines
 
     if config.sweep_batch_sizes:
         from specdecode.bench.sweep import adaptive_sweep
 
         bar = tqdm(total=len(config.sweep_batch_sizes), desc="batch sweep", unit="batch size")
-        results["sweep"] = adaptive_sweep(config.target, config.draft, batch_sizes=config.sweep_batch_sizes,
-                                          ks=config.sweep_ks, max_tokens=config.sweep_max_tokens,
-                                          repeats=config.sweep_repeats, prompts=sweep_prompts, dtype=config.dtype,
-                                          device=config.device, log=lambda line: (bar.update(), bar.write(line)))
+        spec = method_config(config.sweep_method, config, adaptive=True, k=max(config.sweep_ks))
+        results["sweep"] = adaptive_sweep(config.model, speculative_config=spec,
+                                          batch_sizes=config.sweep_batch_sizes, ks=config.sweep_ks,
+                                          max_tokens=config.sweep_max_tokens, repeats=config.sweep_repeats,
+                                          prompts=sweep_prompts, dtype=config.dtype, device=config.device,
+                                          log=lambda line: (bar.update(), bar.write(line)))
         bar.close()
     if hasattr(os, "getloadavg"):
         info["load_average_end"] = os.getloadavg()[0]

@@ -1,5 +1,6 @@
 """`specdecode bench`: plain decoding, every speculative method and transformers' generate() side by side on
-the shipped workloads; writes results.json, report.md and PNG plots."""
+held-out ShareGPT by category; writes results.json, report.md and PNG plots. `specdecode bench serve`: see
+specdecode.bench.serve_cli."""
 from __future__ import annotations
 
 import argparse
@@ -15,35 +16,61 @@ def _ints(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
-def register(sub) -> None:
-    from specdecode.bench.workloads import WORKLOADS  # light: the torch-loading modules wait for cmd_bench
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
 
-    p = sub.add_parser("bench", help="benchmark plain vs speculative decoding vs transformers, write a report",
-                       description="Run the shipped workloads (code completion, grounded editing, docstrings) with "
-                                   "plain decoding, each speculative method and transformers' generate() (plain, "
-                                   "assisted, prompt lookup) in one run; then a batch-size sweep and a roofline. "
-                                   "Writes results.json, report.md and PNG plots to --out.")
+
+def _speculator(text: str) -> tuple[str, str]:
+    method, sep, path = text.partition("=")
+    if not sep or not method or not path:
+        raise argparse.ArgumentTypeError(f"expected METHOD=DIR, got {text!r}")
+    return method, path
+
+
+def register(sub) -> None:
+    from specdecode.bench.categories import CATEGORIES  # light: the torch-loading modules wait for cmd_bench
+
+    p = sub.add_parser("bench", help="benchmark plain vs speculative decoding vs transformers on real work",
+                       description="Run held-out ShareGPT prompts by category (multi-turn chat, code, summarisation, "
+                                   "QA, math) through plain decoding, every speculative method and transformers' "
+                                   "generate() (plain, assisted, prompt lookup) in one run, at T=0 and T=1; then a "
+                                   "batch-size sweep (plain vs fixed K vs adaptive) and a roofline. Writes "
+                                   "results.json, report.md and PNG plots to --out. `specdecode bench serve` "
+                                   "load-tests OpenAI-compatible servers instead.")
     p.add_argument("--quick", action="store_true",
-                   help="a run of a few minutes: 3 prompts x 48 tokens, sweep with K in {2,4}, 32 tokens, 1 repeat "
-                        "(explicit flags still win)")
+                   help="a run of a few minutes: 1 prompt per category x 32 tokens at T=0, sweep at batch 1,4,16 with "
+                        "K in {2,4}, 16 tokens, 1 repeat (explicit flags still win)")
     p.add_argument("--out", type=Path, default=Path("bench_results"), help="output folder (default bench_results)")
     p.add_argument("--model", default=None,
                    help="target: a model name, .gguf file or checkpoint directory (default: smollm2-135m-instruct)")
     p.add_argument("--speculative-model", type=Path, default=None,
-                   help="draft checkpoint (default: none, so only the methods without a draft model run)")
-    p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, from {', '.join(WORKLOADS)}")
+                   help="draft checkpoint of the draft_model method and of transformers' assisted generation "
+                        "(default: the one shipped for a named model)")
+    p.add_argument("--speculator", type=_speculator, action="append", default=[], metavar="METHOD=DIR",
+                   help="speculator directory of a method (eagle/medusa heads, rest datastore); repeatable")
+    p.add_argument("--workload-file", type=Path, default=None,
+                   help='JSON {"categories": {name: [{"messages": [...]}, ...]}} instead of held-out ShareGPT')
+    p.add_argument("--categories", default=",".join(CATEGORIES), help=f"comma-separated, from {', '.join(CATEGORIES)}")
     p.add_argument("--methods", default=None,
-                   help="comma-separated speculative methods (default all: draft_chain, draft_tree, ngram, adaptive)")
-    p.add_argument("--prompts", type=int, default=None, help="prompts per workload (default 8)")
-    p.add_argument("--max-tokens", type=int, default=None, help="tokens per prompt (default 128)")
-    p.add_argument("--num-speculative-tokens", type=int, default=None, help="K of the draft-model methods (default 4)")
-    p.add_argument("--ngram-tokens", type=int, default=None, help="K of n-gram lookup (default 8)")
-    p.add_argument("--batch-sizes", type=_ints, default=None, help="batch sweep sizes (default 1,2,4,8,16,32)")
+                   help="comma-separated speculative methods (default: all this model has speculators for: "
+                        "draft_model, eagle, medusa, ngram, lookahead, rest)")
+    p.add_argument("--prompts", type=int, default=None, help="prompts per category (default 8)")
+    p.add_argument("--max-tokens", type=int, default=None, help="most tokens per request (default 128)")
+    p.add_argument("--max-prompt-tokens", type=int, default=None, help="skip longer prompts (default 768)")
+    p.add_argument("--temperatures", type=_floats, default=None, help="per-request tables (default 0,1)")
+    p.add_argument("--num-speculative-tokens", type=int, default=None, help="K of every method (default: its own)")
+    p.add_argument("--batch-sizes", type=_ints, default=None, help="batch sweep sizes (default 1,2,4,8,16,32,64)")
     p.add_argument("--sweep-ks", type=_ints, default=None, help="fixed K of the batch sweep (default 1,2,3,4,5)")
+    p.add_argument("--sweep-method", default=None, help="speculative method of the batch sweep (default ngram)")
+    p.add_argument("--sweep-max-tokens", type=int, default=None, help="tokens per sweep request (default 64)")
+    p.add_argument("--sweep-repeats", type=int, default=None, help="runs per sweep point, fastest counts (default 3)")
     p.add_argument("--no-sweep", action="store_true", help="skip the batch-size sweep")
     p.add_argument("--no-peers", action="store_true", help="skip transformers")
     p.add_argument("--no-adaptive", dest="adaptive", action="store_false",
-                   help="draft_chain, draft_tree and ngram always draft K (default: K per step, adaptive)")
+                   help="the methods always draft K (default: K per step, adaptive)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
@@ -56,11 +83,14 @@ def register(sub) -> None:
                    help="with --speed: wall (default) or cpu, the thread's CPU time (for a machine shared with "
                         "other jobs)")
     p.set_defaults(func=cmd_bench)
+    from specdecode.bench.serve_cli import register_serve
+
+    register_serve(p.add_subparsers(dest="bench_command", metavar="serve"))
 
 
 def _checkpoints(args) -> tuple[Path, Path | None]:
     """(target, draft): --model (a name, .gguf or directory; default the default named model, fetched on first
-    use) and --speculative-model (none: only the methods that need no draft model run)."""
+    use) and --speculative-model."""
     from specdecode.models.registry import resolve_model
 
     draft = args.speculative_model
@@ -70,6 +100,9 @@ def _checkpoints(args) -> tuple[Path, Path | None]:
 
 
 def cmd_bench(args) -> int:
+    import shlex
+    import sys
+
     import torch
 
     from specdecode.bench.bench import BenchConfig, run_bench
@@ -81,18 +114,24 @@ def cmd_bench(args) -> int:
         torch.set_num_threads(args.threads)
     if args.speed:
         return cmd_speed(args)
-    target, draft = _checkpoints(args)
-    chosen = {"prompts": args.prompts, "max_tokens": args.max_tokens,
-              "num_speculative_tokens": args.num_speculative_tokens, "ngram_tokens": args.ngram_tokens,
-              "sweep_batch_sizes": args.batch_sizes, "sweep_ks": args.sweep_ks}
+    _, draft = _checkpoints(args)  # fails early on a missing target or draft
+    speculators = dict(args.speculator)
+    if draft is not None:
+        speculators["draft_model"] = str(draft)
+    chosen = {"prompts": args.prompts, "max_tokens": args.max_tokens, "max_prompt_tokens": args.max_prompt_tokens,
+              "temperatures": args.temperatures, "num_speculative_tokens": args.num_speculative_tokens,
+              "sweep_batch_sizes": args.batch_sizes, "sweep_ks": args.sweep_ks, "sweep_method": args.sweep_method,
+              "sweep_max_tokens": args.sweep_max_tokens, "sweep_repeats": args.sweep_repeats}
     if args.methods is not None:
         chosen["methods"] = tuple(m for m in args.methods.split(",") if m)
     chosen = {k: v for k, v in chosen.items() if v is not None}
-    if args.no_sweep or draft is None:
+    if args.no_sweep:
         chosen["sweep_batch_sizes"] = ()
-    settings = dict(target=target, draft=draft, out=args.out, dtype=args.dtype, device=args.device,
-                    workloads=tuple(w for w in args.workloads.split(",") if w),
-                    peers=not args.no_peers, note=args.note, adaptive=args.adaptive, **chosen)
+    settings = dict(model=args.model, speculators=speculators, out=args.out, dtype=args.dtype, device=args.device,
+                    workload_file=args.workload_file, categories=tuple(c for c in args.categories.split(",") if c),
+                    peers=not args.no_peers, note=args.note, adaptive=args.adaptive,
+                    command=shlex.join(["specdecode", *sys.argv[1:]]) if sys.argv[0].endswith("specdecode") else "",
+                    **chosen)
     config = BenchConfig.quick(**settings) if args.quick else BenchConfig(**settings)
     paths = write_report(run_bench(config), config.out)
     print(paths["report"].read_text())

@@ -30,6 +30,8 @@ class Trace:
     """Seconds per token after the first (see the module docstring)."""
     stats: SpecStats | None = None
     """Speculation counters (specdecode engines only)."""
+    cpu_seconds: float = 0.0
+    """CPU time of the process (all its threads) while it ran, where the caller measured it (0: not measured)."""
 
 
 class LatencyClock:
@@ -94,6 +96,7 @@ class EngineTotals:
 
     tokens: int = 0
     seconds: float = 0.0
+    cpu_seconds: float = 0.0
     ttfts: list[float] = dataclasses.field(default_factory=list)
     token_latencies: list[float] = dataclasses.field(default_factory=list)
     stats: SpecStats = dataclasses.field(default_factory=SpecStats)
@@ -103,6 +106,7 @@ class EngineTotals:
     def add(self, trace: Trace) -> None:
         self.tokens += len(trace.token_ids)
         self.seconds += trace.seconds
+        self.cpu_seconds += trace.cpu_seconds
         self.ttfts.append(trace.ttft)
         self.token_latencies += trace.token_latencies
         if trace.stats is not None:
@@ -120,6 +124,9 @@ class EngineTotals:
                "ttft_mean_s": sum(self.ttfts) / len(self.ttfts) if self.ttfts else 0.0,
                "latency_p50_s": percentile(self.token_latencies, 50),
                "latency_p99_s": percentile(self.token_latencies, 99)}
+        if self.cpu_seconds:  # the cost line: output tokens per CPU-second (one core busy), CPU-seconds per 1M tokens
+            out.update(cpu_seconds=self.cpu_seconds, tokens_per_cpu_s=self.tokens / self.cpu_seconds,
+                       cpu_s_per_million_tokens=1e6 * self.cpu_seconds / self.tokens if self.tokens else 0.0)
         if stats.steps:
             # SpecStats times cover proposing and the target passes (prefill counts as verifying); the rest of
             # the wall time is scheduling, commit bookkeeping, detokenising and Python overhead.

@@ -1,8 +1,8 @@
 """Hugging Face transformers' generate() on the same checkpoints, as a peer in the same run: plain decoding,
 assisted generation (assistant_model = the same draft) and prompt lookup (prompt_lookup_num_tokens).
 
-Greedy, batch 1, EOS never ends generation (like specdecode's ignore_eos), so every engine makes the same
-number of tokens from the same prompt ids. A streamer times the tokens as generate() hands them out, with the
+Batch 1; greedy (or sampling at a temperature, seeded per request); EOS either ends generation or, with
+ignore_eos (like specdecode's), never does, so that every engine makes the same number of tokens. A streamer times the tokens as generate() hands them out, with the
 same latency rule as specdecode's engines (specdecode.bench.measure).
 """
 from __future__ import annotations
@@ -39,7 +39,8 @@ class TransformersEngine:
     """One transformers configuration: mode "plain", "assisted" (needs draft_dir) or "prompt_lookup"."""
 
     def __init__(self, mode: str, target_dir: Path, draft_dir: Path | None = None, prompt_lookup_num_tokens: int = 10,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", shared_target=None):
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", shared_target=None,
+                 ignore_eos: bool = True):
         import transformers
 
         from specdecode.model.gguf import transformers_source
@@ -56,7 +57,8 @@ class TransformersEngine:
         self.assistant = None
         config = copy.deepcopy(self.model.generation_config)
         config.do_sample = False
-        config.eos_token_id = None  # EOS ends nothing: every engine generates exactly max_new_tokens
+        if ignore_eos:
+            config.eos_token_id = None  # EOS ends nothing: every engine generates exactly max_new_tokens
         config.pad_token_id = config.pad_token_id if config.pad_token_id is not None else 0
         for name in ("temperature", "top_p", "top_k"):  # unset, so greedy does not warn about sampling options
             setattr(config, name, None)
@@ -71,7 +73,7 @@ class TransformersEngine:
 
     def settings(self) -> dict:
         """What this engine was run with (transformers' defaults filled in where unset), for the report."""
-        out = {"mode": self.mode}
+        out = {"mode": self.mode, "eos_ends_generation": self.config.eos_token_id is not None}
         if self.assistant is not None:
             assistant_config = self.assistant.generation_config
             defaults = getattr(assistant_config, "_get_default_generation_params", dict)()
@@ -84,10 +86,15 @@ class TransformersEngine:
         return out
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> Trace:
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, seed: int = 0) -> Trace:
+        """One request; temperature > 0 samples from the target's distribution at that temperature (no top-k or
+        top-p), seeded."""
         ids = torch.tensor([prompt_ids], device=self.device)  # [1, S]
         config = copy.copy(self.config)
         config.max_new_tokens = max_new_tokens
+        if temperature > 0:
+            torch.manual_seed(seed)
+            config.do_sample, config.temperature, config.top_k, config.top_p = True, temperature, 0, 1.0
         streamer = _ClockStreamer()
         out = self.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config,
                                   assistant_model=self.assistant, streamer=streamer)

@@ -15,18 +15,21 @@ from specdecode.bench.sweep import markdown_table  # noqa: E402
 PLOTS = {"speedup": "speedup.png", "sweep": "batch_sweep.png", "accepted": "accepted_length.png"}
 
 DEFINITIONS = """\
-- **tokens/s**: generated tokens / wall time of the generate calls (prefill included), prompts one at a time.
-- **speedup**: tokens/s over the same library's plain decoding, measured in this run on the same prompts.
-- **tokens/step**: tokens emitted per target forward (accepted draft tokens + 1); **acceptance**: accepted /
-  proposed draft tokens.
+- **tokens/s**: generated tokens / wall time of the requests (prefill included), prompts one at a time.
+- **vs plain**: tokens/s over specdecode's plain decoding; **vs own plain**: over the same library's plain
+  decoding; both measured in this run on the same prompts.
+- **tokens per target pass**: tokens emitted per target forward (accepted draft tokens + 1); **acceptance**:
+  accepted / proposed draft tokens (a tree counts every node).
 - **draft / verify / other**: shares of wall time spent proposing, in target passes with verification and
   commit (prefill included), and elsewhere (scheduling, detokenising, Python).
 - **p50 / p99 latency**: per generated token after the first. A step that delivers n tokens dt seconds after the
   previous delivery counts n tokens of dt / n each, so speculation's bursts and plain decoding's single tokens
   are measured by one rule. **TTFT**: mean time to the first token.
-- **same as plain**: prompts whose tokens equal specdecode plain decoding's, token for token. Greedy
-  speculation is exact, so every specdecode method must match on every prompt; transformers runs the same
-  checkpoint, so it matches unless its float rounding flips a near-tie."""
+- **same as plain**: prompts whose tokens equal specdecode plain decoding's, token for token. At T=0 speculation
+  is exact, so every specdecode method must match on every prompt (transformers runs the same checkpoint, so it
+  matches unless its float rounding flips a near-tie); at T=1 outputs are samples and differ.
+- **tokens/s per core**: output tokens per second of the process's CPU time (all its threads), i.e. per core
+  kept busy; **CPU-seconds per 1M output tokens** is its inverse, the figure for a budget."""
 
 
 def _pct(x: float | None) -> str:
@@ -51,48 +54,79 @@ def machine_line(results: dict) -> str:
     return line
 
 
-def engine_table(results: dict) -> str:
-    labels = results["labels"]
-    lines = ["| workload | engine | tokens/s | speedup | tokens/step | acceptance | draft / verify / other "
-             "| p50 ms | p99 ms | TTFT ms | same as plain |",
-             "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
-    for workload, rows in results["workloads"].items():
-        for name, r in rows.items():
-            speculative = "steps" in r and name != "plain"  # specdecode's speculative engines
-            cells = [workload, labels.get(name, name), f"{r['tokens_per_s']:.1f}", f"{r['speedup']:.2f}x",
-                     f"{r['mean_accepted_len']:.2f}" if speculative else "-",
-                     _pct(r["acceptance_rate"]) if speculative else "-",  # None: nothing was drafted
-                     f"{_pct(r['draft_share'])} / {_pct(r['verify_share'])} / {_pct(r['other_share'])}"
-                     if "draft_share" in r else "-",
-                     _ms(r["latency_p50_s"]), _ms(r["latency_p99_s"]), _ms(r["ttft_mean_s"]),
-                     f"{r['same_as_plain']}/{r['prompts']}"]
-            lines.append("| " + " | ".join(cells) + " |")
+def _engine_cells(name: str, r: dict, labels: dict) -> list[str]:
+    speculative = "steps" in r and name != "plain"  # specdecode's speculative engines
+    return [labels.get(name, name), f"{r['tokens_per_s']:.1f}", f"{r['vs_plain']:.2f}x", f"{r['speedup']:.2f}x",
+            f"{r['mean_accepted_len']:.2f}" if speculative else "-",
+            _pct(r["acceptance_rate"]) if speculative else "-",  # None: nothing was drafted
+            f"{_pct(r['draft_share'])} / {_pct(r['verify_share'])} / {_pct(r['other_share'])}"
+            if "draft_share" in r else "-",
+            _ms(r["latency_p50_s"]), _ms(r["latency_p99_s"]), _ms(r["ttft_mean_s"]), str(r["tokens"]),
+            f"{r['same_as_plain']}/{r['prompts']}"]
+
+
+ENGINE_HEADER = ("| engine | tokens/s | vs plain | vs own plain | tokens per target pass | acceptance | "
+                 "draft / verify / other | p50 ms | p99 ms | TTFT ms | tokens | same as plain |\n"
+                 "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|")
+
+
+def engine_table(rows: dict[str, dict], labels: dict) -> str:
+    """Every engine's figures on one set of prompts."""
+    return "\n".join([ENGINE_HEADER] + ["| " + " | ".join(_engine_cells(n, r, labels)) + " |" for n, r in rows.items()])
+
+
+def category_matrix(table: dict[str, dict[str, dict]], labels: dict, key: str = "vs_plain", fmt: str = "{:.2f}x") -> str:
+    """Engines down, categories across: one figure (default: tokens/s over specdecode plain)."""
+    categories = list(table)
+    engines = list(table[categories[0]])
+    lines = ["| engine | " + " | ".join(f"{c} ({table[c]['plain']['prompts']})" for c in categories) + " |",
+             "|---|" + "---:|" * len(categories)]
+    for name in engines:
+        cells = []
+        for c in categories:
+            value = table[c][name].get(key)
+            cells.append("-" if value is None or (key == "mean_accepted_len" and "steps" not in table[c][name])
+                         else fmt.format(value))
+        lines.append(f"| {labels.get(name, name)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def cost_table(rows: dict[str, dict], labels: dict) -> str:
+    """The cost line: output tokens per CPU-second (= per core kept busy) and CPU-seconds per million tokens."""
+    lines = ["| engine | tokens/s per core | CPU-seconds per 1M output tokens | vs plain |", "|---|---:|---:|---:|"]
+    plain = rows["plain"].get("cpu_s_per_million_tokens")
+    for name, r in rows.items():
+        if "tokens_per_cpu_s" in r:
+            lines.append(f"| {labels.get(name, name)} | {r['tokens_per_cpu_s']:.1f} | "
+                         f"{r['cpu_s_per_million_tokens']:,.0f} | {plain / r['cpu_s_per_million_tokens']:.2f}x |")
+    return "\n".join(lines)
+
+
+def sweep_cost_table(rows: list[dict]) -> str:
+    lines = ["| B | plain: tokens/s per core | CPU-s per 1M tokens | adaptive: tokens/s per core | CPU-s per 1M tokens |",
+             "|---|---:|---:|---:|---:|"]
+    for b in dict.fromkeys(r["batch_size"] for r in rows):
+        of_b = {r["mode"]: r for r in rows if r["batch_size"] == b}
+        p, a = of_b["plain"]["tokens_per_cpu_s"], of_b["adaptive"]["tokens_per_cpu_s"]
+        lines.append(f"| {b} | {p:.1f} | {1e6 / p:,.0f} | {a:.1f} | {1e6 / a:,.0f} |")
     return "\n".join(lines)
 
 
 def peer_table(results: dict) -> str:
-    lines = ["| workload | ours plain / theirs | ours draft / their assisted (goal >= 1.5) | speedup: ours draft, "
-             "their assisted (goal: ours >= theirs) | best of ours / their assisted | ours n-gram / their "
-             "prompt lookup | speedup: ours n-gram, their prompt lookup |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
-    for workload, cmp in results["peers"].items():
-        plain = cmp.get("plain_vs_hf_plain")
-        draft = cmp.get("draft_chain_vs_hf_assisted")
-        ngram = cmp.get("ngram_vs_hf_prompt_lookup")
-        cells = [f"{plain['tokens_per_s_ratio']:.2f}x" if plain else "-"]
-        if draft:
-            cells += [f"{draft['tokens_per_s_ratio']:.2f}x {'(met)' if draft['goal_tokens_per_s'] else '(NOT met)'}",
-                      f"{draft['our_speedup']:.2f}x vs {draft['their_speedup']:.2f}x "
-                      f"{'(met)' if draft['goal_speedup'] else '(NOT met)'}",
-                      f"{draft['best_ours_ratio']:.2f}x"]
-        else:
-            cells += ["-"] * 3
-        if ngram:
-            cells += [f"{ngram['tokens_per_s_ratio']:.2f}x",
-                      f"{ngram['our_speedup']:.2f}x vs {ngram['their_speedup']:.2f}x"]
-        else:
-            cells += ["-"] * 2
-        lines.append(f"| {workload} | " + " | ".join(cells) + " |")
+    lines = ["| T | category | ours plain / theirs | ours draft model / their assisted | speedup: ours draft model, "
+             "their assisted | best of ours / their assisted | ours prompt lookup / theirs | speedup: ours, theirs |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for temperature, by_category in results["peers"].items():
+        for category, cmp in by_category.items():
+            plain = cmp.get("plain_vs_hf_plain")
+            draft = cmp.get("draft_model_vs_hf_assisted")
+            ngram = cmp.get("ngram_vs_hf_prompt_lookup")
+            cells = [f"{plain['tokens_per_s_ratio']:.2f}x" if plain else "-"]
+            cells += ([f"{draft['tokens_per_s_ratio']:.2f}x", f"{draft['our_speedup']:.2f}x vs {draft['their_speedup']:.2f}x",
+                       f"{draft['best_ours_ratio']:.2f}x"] if draft else ["-"] * 3)
+            cells += ([f"{ngram['tokens_per_s_ratio']:.2f}x", f"{ngram['our_speedup']:.2f}x vs {ngram['their_speedup']:.2f}x"]
+                      if ngram else ["-"] * 2)
+            lines.append(f"| {temperature} | {category} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -105,84 +139,124 @@ def roofline_text(r: dict) -> str:
 
 
 def plot_speedup(results: dict, path: Path) -> None:
+    """Tokens/s over specdecode plain per engine and category, one panel per temperature."""
     labels = results["labels"]
-    workloads = list(results["workloads"])
-    engines = [n for n in results["workloads"][workloads[0]] if n not in ("plain", "hf_plain")]
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(workloads)) + 3.5, 4.2))
-    width = 0.8 / max(1, len(engines))
-    for i, name in enumerate(engines):
-        xs = [j + (i - (len(engines) - 1) / 2) * width for j in range(len(workloads))]
-        ax.bar(xs, [results["workloads"][w][name]["speedup"] for w in workloads], width,
-               label=labels.get(name, name), hatch="//" if name.startswith("hf_") else None)
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xticks(range(len(workloads)), workloads)
-    ax.set_ylabel("speedup over the same library's plain decoding")
-    ax.set_title("Speculative decoding speedup, batch 1, greedy")
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    tables = results["per_request"]
+    fig, axes = plt.subplots(len(tables), 1, figsize=(11.0, 3.6 * len(tables)), squeeze=False)
+    for ax, (temperature, table) in zip(axes[:, 0], tables.items()):
+        categories = list(table)
+        engines = [n for n in table[categories[0]] if n != "plain"]
+        width = 0.8 / max(1, len(engines))
+        for i, name in enumerate(engines):
+            xs = [j + (i - (len(engines) - 1) / 2) * width for j in range(len(categories))]
+            ax.bar(xs, [table[c][name]["vs_plain"] for c in categories], width, label=labels.get(name, name),
+                   hatch="//" if name.startswith("hf_") else None)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks(range(len(categories)), categories)
+        ax.set_ylabel("tokens/s over specdecode plain")
+        ax.set_title(f"Per request, batch 1, {temperature}")
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def plot_sweep(rows: list[dict], path: Path) -> None:
+    """Left: decode tokens/s against batch size per mode; right: the same over plain decoding."""
     batches = list(dict.fromkeys(r["batch_size"] for r in rows))
-    modes = [r["mode"] for r in rows if r["batch_size"] == batches[0] and r["mode"] not in ("summary", "plain")]
-    fig, ax = plt.subplots(figsize=(6.0, 4.2))
+    modes = [r["mode"] for r in rows if r["batch_size"] == batches[0] and r["mode"] != "summary"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11.0, 4.2))
     for mode in modes:
-        ys = [next(r["vs_plain"] for r in rows if r["batch_size"] == b and r["mode"] == mode) for b in batches]
-        ax.plot(batches, ys, marker="o", linewidth=2.5 if mode == "adaptive" else 1.2, label=mode)
-    ax.axhline(1.0, color="black", linewidth=0.8, label="plain")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(batches, [str(b) for b in batches])
-    ax.set_xlabel("batch size")
-    ax.set_ylabel("tokens/s over plain decoding")
-    ax.set_title("Where speculation stops paying")
-    ax.legend(fontsize=8)
+        of_mode = [next(r for r in rows if r["batch_size"] == b and r["mode"] == mode) for b in batches]
+        style = dict(marker="o", linewidth=2.5 if mode in ("adaptive", "plain") else 1.2, label=mode)
+        left.plot(batches, [r["tokens_per_s"] for r in of_mode], **style)
+        if mode != "plain":
+            right.plot(batches, [r["vs_plain"] for r in of_mode], **style)
+    right.axhline(1.0, color="black", linewidth=0.8, label="plain")
+    for ax in (left, right):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(batches, [str(b) for b in batches])
+        ax.set_xlabel("batch size")
+        ax.legend(fontsize=8)
+    left.set_ylabel("decode tokens/s (all sequences)")
+    right.set_ylabel("tokens/s over plain decoding")
+    left.set_title("Throughput")
+    right.set_title("Where speculation stops paying")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def plot_accepted(results: dict, path: Path) -> None:
     labels = results["labels"]
-    rows = {n: r for n, r in results["workloads"]["all"].items() if r.get("accepted_len_counts")}
-    fig, ax = plt.subplots(figsize=(6.0, 4.2))
+    greedy = next(iter(results["per_request"].values()))["all"]
+    rows = {n: r for n, r in greedy.items() if r.get("accepted_len_counts")}
+    fig, ax = plt.subplots(figsize=(7.0, 4.2))
     width = 0.8 / max(1, len(rows))
     for i, (name, r) in enumerate(rows.items()):
         counts = r["accepted_len_counts"]
         total = sum(counts)
         xs = [n + (i - (len(rows) - 1) / 2) * width for n in range(len(counts))]
         ax.bar(xs, [c / total for c in counts], width, label=labels.get(name, name))
-    ax.set_xlabel("draft tokens accepted in a step")
+    ax.set_xlabel("draft tokens accepted in a drafting step")
     ax.set_ylabel("share of drafting steps")
-    ax.set_title("Accepted length, all workloads")
+    ax.set_title(f"Accepted length, all categories, {next(iter(results['per_request']))}")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def workload_lines(results: dict) -> str:
+    lines = ["| category | prompts | mean prompt tokens | sources |", "|---|---:|---:|---|"]
+    for category, prompts in results["prompts"].items():
+        mean = sum(p["prompt_tokens"] for p in prompts) / len(prompts)
+        sources = ", ".join(p["source"] for p in prompts[:4]) + (", ..." if len(prompts) > 4 else "")
+        lines.append(f"| {category} | {len(prompts)} | {mean:.0f} | {sources} |")
+    return "\n".join(lines)
 
 
 def markdown(results: dict) -> str:
     s = results["settings"]
+    labels = results["labels"]
+    modes = "adaptive (K chosen per step, the default)" if s["adaptive"] else "fixed K"
     parts = [
         "# specdecode bench",
+        f"Command: `{s.get('command') or 'specdecode bench'}`",
         f"Machine: {machine_line(results)}. Whole run: {results['machine'].get('wall_seconds', 0):.0f} s.",
-        f"Target `{s['target']}`, draft `{s['draft']}`, {s['dtype']}; {s['prompts']} prompts per workload, "
-        f"{s['max_tokens']} new tokens each, greedy, batch 1, EOS ignored; every engine runs every prompt in turn.",
-        "## Speed per engine and workload", engine_table(results), DEFINITIONS,
-        f"![speedup per engine and workload]({PLOTS['speedup']})",
+        f"Target `{s['model'] or 'smollm2-135m-instruct'}` ({s['dtype']}); methods {', '.join(s['methods'])}, "
+        f"each {modes}; up to {s['max_tokens']} new tokens per request (EOS ends it), batch 1; every engine runs "
+        f"every prompt in turn, so speedups are ratios within this run.",
+        "## Workloads", workload_lines(results),
+        "Categories by the rules in `specdecode/bench/categories.py` (held-out ShareGPT; translation: none present).",
     ]
+    for temperature, table in results["per_request"].items():
+        parts += [f"## Per request, {temperature}: all categories", engine_table(table["all"], labels),
+                  f"### {temperature}: tokens/s over specdecode plain, per category", category_matrix(table, labels),
+                  f"### {temperature}: tokens per target pass, per category",
+                  category_matrix(table, labels, "mean_accepted_len", "{:.2f}")]
+    parts += [DEFINITIONS, f"![speedup per engine and category]({PLOTS['speedup']})"]
     if results.get("peers"):
         parts += ["## Against Hugging Face transformers (same checkpoints, same prompt ids, same run)",
                   peer_table(results),
                   "transformers settings: " + "; ".join(
                       f"{name}: " + ", ".join(f"{k}={v}" for k, v in cfg.items() if k != "mode")
-                      for name, cfg in results["peer_settings"].items() if len(cfg) > 1)]
+                      for name, cfg in results["peer_settings"].items())]
+    first = next(iter(results["per_request"]))
+    parts += ["## Cost", f"Process CPU time during each engine's requests ({first}, all categories; "
+              f"{results['machine']['torch_threads']} torch thread(s)):", cost_table(results["per_request"][first]["all"], labels)]
     if results.get("sweep"):
-        parts += [f"## Batch-size sweep: plain vs fixed K vs adaptive (decode tokens/s; "
-                  f"{s['sweep_prompt_tokens']}-token prompts, {s['sweep_max_tokens']} new tokens per request, "
-                  f"median of {s['sweep_repeats']})",
+        from specdecode.bench.sweep import fixed_k_stops_paying
+
+        stop = fixed_k_stops_paying(results["sweep"])
+        parts += [f"Batch sweep, decode only ({s['sweep_method']}):", sweep_cost_table(results["sweep"]),
+                  f"## Batch sizes: plain vs fixed K vs adaptive ({s['sweep_method']}; decode tokens/s, "
+                  f"{s['sweep_prompt_tokens']}-token prompts, {s['sweep_max_tokens']} new tokens per request, EOS "
+                  f"ignored, fastest of {s['sweep_repeats']})",
                   markdown_table(results["sweep"]),
+                  "Fixed K stops paying " + (f"from batch size **{stop}** on (no fixed K beats plain there)."
+                                             if stop else "at no batch size measured (some fixed K beats plain at every size)."),
+                  "Goal: adaptive >= 0.97x the better of plain and the best fixed K at every batch size.",
                   f"![speedup against batch size]({PLOTS['sweep']})"]
     parts += ["## Roofline", roofline_text(results["roofline"]),
               "## Accepted length", f"![histogram of accepted length]({PLOTS['accepted']})"]
