@@ -140,9 +140,9 @@ class BenchConfig:
 
     @classmethod
     def quick(cls, **overrides) -> "BenchConfig":
-        """A run of a few minutes: one prompt per category, 32 tokens, T=0 only, a short sweep."""
-        settings = dict(prompts=1, max_tokens=32, max_prompt_tokens=512, temperatures=(0.0,),
-                        sweep_batch_sizes=(1, 4, 16), sweep_ks=(2, 4), sweep_max_tokens=16, sweep_repeats=1,
+        """A run of a few minutes: one prompt per category, 24 tokens, T=0 only, a short sweep."""
+        settings = dict(prompts=1, max_tokens=24, max_prompt_tokens=512, temperatures=(0.0,),
+                        sweep_batch_sizes=(1, 8), sweep_ks=(2, 4), sweep_max_tokens=16, sweep_repeats=1,
                         sweep_prompt_tokens=64)
         return cls(**{**settings, **overrides})
 

@@ -41,7 +41,7 @@ def register(sub) -> None:
                                    "results.json, report.md and PNG plots to --out. `specdecode bench serve` "
                                    "load-tests OpenAI-compatible servers instead.")
     p.add_argument("--quick", action="store_true",
-                   help="a run of a few minutes: 1 prompt per category x 32 tokens at T=0, sweep at batch 1,4,16 with "
+                   help="a run of a few minutes: 1 prompt per category x 24 tokens at T=0, sweep at batch 1 and 8 with "
                         "K in {2,4}, 16 tokens, 1 repeat (explicit flags still win)")
     p.add_argument("--out", type=Path, default=Path("bench_results"), help="output folder (default bench_results)")
     p.add_argument("--model", default=None,

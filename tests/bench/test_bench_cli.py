@@ -80,6 +80,7 @@ def test_figures_are_consistent(bench_run):
     assert [r["batch_size"] for r in summaries] == [1, 2]
     for s in summaries:
         assert s["goal_met"] == (s["adaptive_vs_best"] >= 0.97)
+        assert s["cpu_goal_met"] == (s["cpu_adaptive_vs_best"] >= 0.97)
     assert results["settings"]["num_speculative_tokens"] == 3 and results["settings"]["prompts"] == 2
 
 
