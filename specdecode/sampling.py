@@ -17,6 +17,9 @@ MIN_TEMPERATURE = 1e-5
 """Temperatures below this are greedy: logits / 1e-40 overflow to inf and softmax would give NaN."""
 MAX_TOP_K = 2**31 - 1
 """Largest top_k accepted (any k >= the vocabulary keeps every token; larger ones cannot become tensors)."""
+TRUNCATION_CANDIDATES = (256, 4096)
+"""Top-k/top-p rank this many of a row's most likely tokens first (then the next number), and sort the whole row
+only if they are not enough to decide it."""
 
 
 @dataclasses.dataclass
@@ -69,30 +72,60 @@ def processed_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
     """Probabilities after temperature, top-k and top-p, per row.
 
     logits [N, V]; temperature, top_k, top_p [N] (temperature below MIN_TEMPERATURE = one-hot argmax; top_k <= 0 =
-    off). Returns [N, V] float32 rows that sum to 1.
+    off). Returns [N, V] float32 rows that sum to 1. Rows without top-k or top-p are a plain softmax: no sort.
     """
     logits = logits.float()
-    N, V = logits.shape
     greedy = temperature < MIN_TEMPERATURE
     scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
-    sorted_logits, order = scaled.sort(dim=-1, descending=True)  # [N, V]
-    rank = torch.arange(V, device=logits.device)
-    k = torch.where(top_k > 0, top_k, V)
-    drop = rank[None, :] >= k[:, None]
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    sorted_probs = sorted_logits.softmax(-1)
-    # Keep a token while the mass before it is below top_p; the most likely token is always kept (a top_p that
-    # rounds to 0 in float32 would otherwise drop every token).
-    mass_before = sorted_probs.cumsum(-1) - sorted_probs
-    drop = mass_before >= top_p[:, None]
-    drop[:, 0] = False
-    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-    sorted_probs = sorted_probs / sorted_probs.sum(-1, keepdim=True)
-    probs = torch.zeros_like(sorted_probs).scatter_(-1, order, sorted_probs)
+    probs = scaled.softmax(-1)
+    top_k = torch.where(top_k < logits.shape[-1], top_k, 0)  # keeping the whole vocabulary = off
+    truncated = ((top_k > 0) | (top_p < 1)) & ~greedy
+    if truncated.any():
+        rows = truncated.nonzero().squeeze(1)
+        probs[rows] = truncate(probs[rows], top_k[rows], top_p[rows])
     if greedy.any():
         one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
         probs = torch.where(greedy[:, None], one_hot, probs)
     return probs
+
+
+def truncate(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+             candidates: tuple[int, ...] = TRUNCATION_CANDIDATES) -> torch.Tensor:
+    """Top-k, then top-p of the renormalised rest, then renormalised: probs [N, V] rows of a softmax -> [N, V].
+
+    top-p keeps a token while the mass before it is below top_p (the most likely token always stays: a top_p that
+    rounds to 0 would otherwise drop every token). Sorting a 49k vocabulary costs milliseconds a row, so a row is
+    decided among its `candidates[0]` most likely tokens when they suffice (top_k within them, or, without top-k,
+    their mass reaches top_p), else among the next number of candidates, else by sorting the whole row.
+    """
+    N, V = probs.shape
+    out = torch.zeros_like(probs)
+    pending = torch.arange(N, device=probs.device)
+    for m in [c for c in candidates if c < V] + [V]:
+        rows, k, p = probs[pending], top_k[pending], top_p[pending]
+        values, order = rows.topk(m, dim=-1) if m < V else rows.sort(dim=-1, descending=True)  # [n, m]
+        decided = ((k > 0) & (k <= m)) | ((k <= 0) & (p < 1) & (values.sum(-1) >= p)) | (m == V)
+        if decided.any():
+            out[pending[decided]] = _truncate_ranked(values[decided], order[decided], k[decided], p[decided], V)
+            pending = pending[~decided]
+        if not len(pending):
+            break
+    return out
+
+
+def _truncate_ranked(values: torch.Tensor, order: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                     V: int) -> torch.Tensor:
+    """truncate() on rows' m most likely tokens: values [n, m] descending, order [n, m] their ids -> [n, V]."""
+    rank = torch.arange(values.shape[-1], device=values.device)
+    values = values.masked_fill((top_k > 0)[:, None] & (rank[None, :] >= top_k[:, None]), 0.0)
+    # Without top-k the rows are already normalised over the whole vocabulary (the ranked part may hold less).
+    values = values / torch.where(top_k > 0, values.sum(-1), 1.0)[:, None]
+    mass_before = values.cumsum(-1) - values
+    drop = mass_before >= top_p[:, None]
+    drop[:, 0] = False
+    values = values.masked_fill(drop, 0.0)
+    values = values / values.sum(-1, keepdim=True)
+    return torch.zeros(len(values), V, dtype=values.dtype, device=values.device).scatter_(-1, order, values)
 
 
 def params_tensors(params: list[SamplingParams], repeats: list[int] | None = None,

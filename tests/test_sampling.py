@@ -134,3 +134,31 @@ def test_seed_is_per_request_in_a_batch(llm):
     batch = llm.generate(["def add(a, b):", "class Point:"], params)
     assert batch[0].outputs[0].token_ids == sampled(llm, 7)
     assert batch[1].outputs[0].token_ids == sampled(llm, 8, prompt="class Point:")
+
+
+@pytest.mark.parametrize("scale, top_k, top_p", [
+    (6.0, [0, 0, 40, 0, 64, 0], [0.85, 0.5, 1.0, 0.75, 0.8, 0.6]),  # peaked rows: the 64 ranked candidates decide
+    (0.05, [0, 0, 40, 0, 3000, 0], [0.9, 0.5, 1.0, 0.95, 0.8, 0.999]),  # flat rows: whole rows are sorted
+])
+def test_ranking_only_candidates_equals_sorting_whole_rows(scale, top_k, top_p):
+    """On a real-sized vocabulary top-k/top-p look at the most likely tokens first; the result must be what sorting
+    every row gives."""
+    from specdecode.sampling import truncate
+
+    V, m = 4096, 64
+    probs = (torch.randn(6, V, generator=torch.Generator().manual_seed(1)) * scale).softmax(-1)
+    top_k, top_p = torch.tensor(top_k), torch.tensor(top_p)
+    candidates_decide = ((top_k > 0) & (top_k <= m)) | (probs.topk(m).values.sum(-1) >= top_p)
+    assert candidates_decide.all() == (scale > 1)
+    ranked = truncate(probs, top_k, top_p, candidates=(m,))
+    torch.testing.assert_close(truncate(probs, top_k, top_p, candidates=(16, m)), ranked)  # two rounds of ranking
+    torch.testing.assert_close(ranked, truncate(probs, top_k, top_p, candidates=()), atol=1e-6, rtol=1e-5)
+    kept = (ranked > 0).sum(-1)
+    assert kept[2] == 40 and kept[4] <= top_k[4] and (kept[[0, 1, 3, 5]] < V).all()
+
+
+def test_no_truncation_is_a_plain_softmax():
+    logits = torch.randn(3, 5000, generator=torch.Generator().manual_seed(2))
+    probs = run(logits, [(0.7, 0, 1.0), (1.0, 5000, 1.0), (1.3, 10**6, 1.0)])
+    for row, t in enumerate((0.7, 1.0, 1.3)):
+        torch.testing.assert_close(probs[row], (logits[row] / t).softmax(-1))
