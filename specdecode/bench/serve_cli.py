@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
+import dataclasses
 import os
 import sys
 import time
@@ -95,9 +95,12 @@ def run_serve_bench(args, log=lambda s: print(s, file=sys.stderr)) -> dict:
                 server = stack.enter_context(ManagedServer(spec, args.out))
                 targets[mode] = (server.base_url, server)
             for mode, (_, server) in targets.items():  # started together, waited for in turn
-                log(f"{mode} server ready after {server.wait_ready():.0f} s: {' '.join(server.command[2:])}")
-            results["servers"] = {m: " ".join(["specdecode", *s.command[4:]]) for m, (_, s) in targets.items()}
+                log(f"{mode} server ready after {server.wait_ready():.0f} s: {' '.join(server.command[3:])}")
+            results["servers"] = {m: " ".join(["specdecode", *s.command[3:]]) for m, (_, s) in targets.items()}
         model = args.served_model or _served_model(next(iter(targets.values()))[0], args.api_key)
+        warm_up = LoadConfig(concurrency=1, max_seconds=args.max_seconds)
+        for url, _ in targets.values():  # first-request costs (allocations, lazy imports) stay out of the figures
+            asyncio.run(run_load(url, model, [dataclasses.replace(requests[0], max_tokens=4)], warm_up, args.api_key))
         for load in loads:
             for mode, (url, server) in targets.items():
                 cpu = server.cpu_seconds() if server else 0.0
