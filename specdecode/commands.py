@@ -42,4 +42,9 @@ def _plan(sub):
     register(sub)
 
 
-REGISTRY = [_generate, _chat, _serve, _models, _train, _bench, _datastore, _plan]
+def _certify(sub):
+    from specdecode.certify.cli import register
+    register(sub)
+
+
+REGISTRY = [_generate, _chat, _serve, _models, _train, _bench, _datastore, _plan, _certify]

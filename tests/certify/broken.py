@@ -1,0 +1,89 @@
+"""Deliberately wrong verifiers, each a small edit of the real one, for showing that certify has power: injected into
+the step loop (specdecode.engine.step imports the verifiers by name) with monkeypatch.setattr."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+import specdecode.engine.step as step_module
+from specdecode.sampling import sample_from, sample_rows
+from specdecode.spec.verify import VerifyResult, verify_chains, verify_sampling
+
+
+def chains_correction_from_p(p, q, tokens, lengths, u_accept, u_draw):
+    """The chain rule, but a rejected position is drawn from p instead of norm(max(0, p - q))."""
+    n_matches, _ = verify_chains(p, q, tokens, lengths, u_accept, u_draw)
+    rows = torch.arange(len(tokens), device=p.device)
+    return n_matches, sample_rows(p[rows, n_matches], u_draw[rows, n_matches])
+
+
+def tree_correction_from_p(tree, p_all, uniforms):
+    """The tree rule, but when every child is rejected the token is drawn from p instead of what is left of p."""
+    result = verify_sampling(tree, p_all, uniforms)
+    node = result.accepted[-1] if result.accepted else -1
+    if tree.shape.children[node + 1]:
+        return VerifyResult(result.accepted, sample_from(p_all[node + 1], uniforms.draw(len(result.accepted))))
+    return result
+
+
+def q_at_temperature(q: torch.Tensor, ratio: float) -> torch.Tensor:
+    """The draft's distribution as if computed at temperature T / ratio when it was drawn at T: q^ratio, normalised
+    (exact without top-k/top-p)."""
+    q = q.double().pow(ratio)
+    return (q / q.sum(-1, keepdim=True)).to(torch.float32)
+
+
+def chains_q_other_temperature(ratio: float = 0.5):
+    """The chain rule with q from another temperature than the drafts were drawn with."""
+    def verify(p, q, tokens, lengths, u_accept, u_draw):
+        return verify_chains(p, None if q is None else q_at_temperature(q, ratio), tokens, lengths, u_accept, u_draw)
+    return verify
+
+
+def tree_q_other_temperature(ratio: float = 0.5):
+    def verify(tree, p_all, uniforms):
+        if tree.draft_probs is not None:
+            tree = dataclasses.replace(tree, draft_probs=q_at_temperature(tree.draft_probs, ratio))
+        return verify_sampling(tree, p_all, uniforms)
+    return verify
+
+
+def tree_siblings_unnormalised(tree, p_all, uniforms):
+    """The multi-draft rule, but after a rejected child the next sibling is tried against max(0, p - q) without
+    renormalising it (the final draw is still from what is left, normalised)."""
+    children = tree.shape.children
+    tokens = tree.tokens.tolist()
+    q_all = tree.draft_probs
+    accepted, node = [], -1
+    while True:
+        p = p_all[node + 1]
+        depth = len(accepted)
+        for tried, child in enumerate(children[node + 1]):
+            x = tokens[child]
+            q_x = 1.0 if q_all is None else float(q_all[child, x])
+            if uniforms.accept(depth, tried) * q_x < float(p[x]):
+                accepted.append(child)
+                node = child
+                break
+            if q_all is None:
+                p = p.clone()
+                p[x] = 0.0
+            else:
+                p = (p - q_all[child]).clamp(min=0.0)  # the bug: no division by the residual's mass
+        else:
+            left = p if float(p.sum()) > 0 else p_all[node + 1]
+            return VerifyResult(accepted, sample_from(left, uniforms.draw(depth)))
+
+
+BROKEN = {
+    "correction_from_p": {"verify_chains": chains_correction_from_p, "verify_sampling": tree_correction_from_p},
+    "q_other_temperature": {"verify_chains": chains_q_other_temperature(), "verify_sampling": tree_q_other_temperature()},
+    "siblings_unnormalised": {"verify_sampling": tree_siblings_unnormalised},
+}
+"""Name -> the step module's verifier functions to replace."""
+
+
+def inject(monkeypatch, name: str) -> None:
+    for attr, fn in BROKEN[name].items():
+        monkeypatch.setattr(step_module, attr, fn)
