@@ -1,11 +1,11 @@
 """`specdecode bench`: plain decoding, every speculative method and transformers' generate() side by side on real
 work, in one process and one run.
 
-Workloads: held-out ShareGPT by category (specdecode.bench.categories), or a workload file. Each prompt is rendered
-in the model's chat template once, and every engine decodes the same token ids, batch 1, stopping at EOS or
-max_tokens, at each temperature (T=0 greedy; T>0 seeded sampling). Prompts run one at a time with every engine in
-turn, so a change of load on the machine hits all engines alike, and speedups are ratios within the run. Then a
-batch-size sweep (plain vs fixed K vs adaptive, specdecode.bench.sweep) and a roofline for plain decoding.
+Workloads: held-out ShareGPT by category (specdecode.bench.categories), a workload file, or the standard-library
+code workloads. Each prompt is rendered in the model's chat template (or encoded raw) once, and every engine
+decodes the same token ids, batch 1, stopping at EOS or max_tokens, at each temperature (T=0 greedy; T>0 seeded
+sampling). Prompts run one at a time with every engine in turn, so a change of load on the machine hits all engines
+alike, and speedups are ratios within the run. Then a batch-size sweep (plain vs fixed K vs adaptive, specdecode.bench.sweep) and a roofline for plain decoding.
 """
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
-from specdecode.bench.categories import CATEGORIES, Prompt, heldout_workloads, load_workload_file
+from specdecode.bench.categories import (CATEGORIES, Prompt, heldout_workloads, load_workload_file,
+                                         stdlib_workloads)
 from specdecode.bench.measure import EngineTotals, Trace, trace_generate
 from specdecode.bench.roofline import measure_read_bandwidth, roofline
 from specdecode.engine.llm import LLM
@@ -57,6 +58,8 @@ class BenchConfig:
     """Where results.json, report.md and the plots go."""
     workload_file: Path | None = None
     """A JSON workload file (specdecode.bench.categories.load_workload_file) instead of held-out ShareGPT."""
+    stdlib_workloads: bool = False
+    """The standard-library code workloads as raw prompts instead (for models without a chat template)."""
     categories: tuple[str, ...] = CATEGORIES
     """ShareGPT categories to run (those the held-out set has no prompt of are left out)."""
     prompts: int = 8
@@ -100,7 +103,8 @@ class BenchConfig:
     """The command line that started the run, for the report."""
 
     def __post_init__(self):
-        unknown = sorted(set(self.categories) - set(CATEGORIES)) if self.workload_file is None else []
+        own = self.workload_file is not None or self.stdlib_workloads
+        unknown = [] if own else sorted(set(self.categories) - set(CATEGORIES))
         if unknown:
             raise ConfigError(f"unknown categor(ies) {unknown}; choose from {', '.join(CATEGORIES)}")
         if self.methods is None:
@@ -233,9 +237,11 @@ def load_prompts(config: BenchConfig, tokenizer) -> dict[str, list[Prompt]]:
     def fits(messages: list[dict]) -> bool:
         return len(tokenizer.encode_chat(messages)) <= config.max_prompt_tokens
 
-    if config.workload_file is not None:
-        prompts = load_workload_file(config.workload_file, config.prompts)
-        prompts = {c: [p for p in ps if fits(p.messages)] for c, ps in prompts.items()}
+    if config.workload_file is not None or config.stdlib_workloads:
+        prompts = (stdlib_workloads(config.prompts) if config.stdlib_workloads else
+                   load_workload_file(config.workload_file, config.prompts))
+        prompts = {c: [p for p in ps if len(p.token_ids(tokenizer)) <= config.max_prompt_tokens]
+                   for c, ps in prompts.items()}
     else:
         prompts = heldout_workloads(config.prompts, fits, config.categories)
     prompts = {c: ps for c, ps in prompts.items() if ps}
@@ -320,7 +326,7 @@ def run_bench(config: BenchConfig, log: Callable[[str], None] = lambda s: print(
 
         info["transformers"] = transformers.__version__
     prompts = load_prompts(config, plain.tokenizer)
-    prompt_ids = {c: [plain.tokenizer.encode_chat(p.messages) for p in ps] for c, ps in prompts.items()}
+    prompt_ids = {c: [p.token_ids(plain.tokenizer) for p in ps] for c, ps in prompts.items()}
     first = next(iter(prompt_ids.values()))[0]
     for run in tqdm(engines.values(), desc="warm-up", leave=False):  # one-time costs out of the measurement
         run(first, 8, 0.0, 0)

@@ -7,9 +7,9 @@ and refer to text that is not there), first match wins:
 - translation: the turn asks to translate (`translat...`). None of the 461 held-out conversations does.
 - code: at least two lines that look like code (`def `, `import `, `#include`, a line ending in `;`/`{`/`}`, ...),
   or a programming word (python, javascript, sql, code, function, script, api, ...).
-- math: an arithmetic expression between numbers (not a range or date such as 1-10, 20/21, 2023 - 2028), or a maths word (solve, calculate,
-  equation, integral, derivative, probability, percentage); also a later user turn of that kind, with the
-  conversation before it as context.
+- math: an arithmetic expression between numbers (not a range or date such as 1-10, 20/21, 2023 - 2028), or a
+  maths word (solve, calculate, equation, integral, derivative, probability, percentage); also a later user turn
+  of that kind, with the conversation before it as context.
 - summarisation: an instruction to summarise / rewrite / rephrase / proofread / improve / shorten ... in the
   first 300 characters of a turn of at least 400 (the user's own text follows). Few held-out conversations are;
   the category is filled up with constructed requests of the same kind over held-out *answers* (also unseen):
@@ -63,6 +63,11 @@ class Prompt:
     """ShareGPT's answer to that turn ("" where none followed)."""
     source: str
     """ShareGPT id (and ":constructed" for a constructed summarisation request)."""
+    text: str | None = None
+    """A raw completion prompt, encoded as is instead of `messages` in the chat template (models without one)."""
+
+    def token_ids(self, tokenizer) -> list[int]:
+        return tokenizer.encode(self.text) if self.text is not None else tokenizer.encode_chat(self.messages)
 
 
 def _english(text: str) -> bool:
@@ -130,7 +135,8 @@ def select(conversations, per_category: int, fits=lambda messages: True,
     used = set()
     for conv in conversations:
         prompt = classify(conv)
-        if prompt and prompt.category in chosen and len(chosen[prompt.category]) < per_category and fits(prompt.messages):
+        if (prompt and prompt.category in chosen and len(chosen[prompt.category]) < per_category
+                and fits(prompt.messages)):
             chosen[prompt.category].append(prompt)
             used.add(conv.id)
     if "summarisation" in chosen:
@@ -158,9 +164,18 @@ def heldout_workloads(per_category: int, fits=lambda messages: True,
     return select(speculators.hash_order(heldout), per_category, fits, categories)
 
 
+def stdlib_workloads(per_category: int) -> dict[str, list[Prompt]]:
+    """The code workloads built from held-out standard-library files (specdecode.bench.workloads: completion,
+    grounded_edit, docstring) as raw completion prompts, for models without a chat template."""
+    from specdecode.bench.workloads import WORKLOADS, load_workload
+
+    return {name: [Prompt(name, [], "", f"stdlib:{name}:{i}", text) for i, text in
+                   enumerate(load_workload(name, per_category))] for name in WORKLOADS}
+
+
 def load_workload_file(path: Path, per_category: int | None = None) -> dict[str, list[Prompt]]:
     """Workloads from a JSON file {"categories": {name: [{"messages": [...], "reference": str}, ...]}} (any names;
-    a bare string is a one-turn user message)."""
+    a bare string is a one-turn user message; {"text": str} a raw completion prompt, no chat template)."""
     path = Path(path)
     try:
         data = json.loads(path.read_text())
@@ -173,9 +188,10 @@ def load_workload_file(path: Path, per_category: int | None = None) -> dict[str,
         for i, item in enumerate(items[:per_category]):
             if isinstance(item, str):
                 item = {"messages": [{"role": "user", "content": item}]}
-            if not item.get("messages"):
-                raise ConfigError(f"{path}: prompt {i} of {name!r} has no messages")
-            prompts.append(Prompt(name, item["messages"], item.get("reference", ""), item.get("source", f"{path.name}:{i}")))
+            if not item.get("messages") and not item.get("text"):
+                raise ConfigError(f"{path}: prompt {i} of {name!r} has neither messages nor text")
+            prompts.append(Prompt(name, item.get("messages") or [], item.get("reference", ""),
+                                  item.get("source", f"{path.name}:{i}"), item.get("text")))
         if prompts:
             out[name] = prompts
     if not out:

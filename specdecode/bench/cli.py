@@ -53,6 +53,9 @@ def register(sub) -> None:
                    help="speculator directory of a method (eagle/medusa heads, rest datastore); repeatable")
     p.add_argument("--workload-file", type=Path, default=None,
                    help='JSON {"categories": {name: [{"messages": [...]}, ...]}} instead of held-out ShareGPT')
+    p.add_argument("--stdlib-workloads", action="store_true",
+                   help="instead: the code workloads from held-out standard-library files as raw prompts (completion, "
+                        "grounded_edit, docstring), for models without a chat template (specdecode/models/target)")
     p.add_argument("--categories", default=",".join(CATEGORIES), help=f"comma-separated, from {', '.join(CATEGORIES)}")
     p.add_argument("--methods", default=None,
                    help="comma-separated speculative methods (default: all this model has speculators for: "
@@ -128,7 +131,8 @@ def cmd_bench(args) -> int:
     if args.no_sweep:
         chosen["sweep_batch_sizes"] = ()
     settings = dict(model=args.model, speculators=speculators, out=args.out, dtype=args.dtype, device=args.device,
-                    workload_file=args.workload_file, categories=tuple(c for c in args.categories.split(",") if c),
+                    workload_file=args.workload_file, stdlib_workloads=args.stdlib_workloads,
+                    categories=tuple(c for c in args.categories.split(",") if c),
                     peers=not args.no_peers, note=args.note, adaptive=args.adaptive,
                     command=shlex.join(["specdecode", *sys.argv[1:]]) if sys.argv[0].endswith("specdecode") else "",
                     **chosen)

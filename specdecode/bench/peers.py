@@ -2,8 +2,9 @@
 assisted generation (assistant_model = the same draft) and prompt lookup (prompt_lookup_num_tokens).
 
 Batch 1; greedy (or sampling at a temperature, seeded per request); EOS either ends generation or, with
-ignore_eos (like specdecode's), never does, so that every engine makes the same number of tokens. A streamer times the tokens as generate() hands them out, with the
-same latency rule as specdecode's engines (specdecode.bench.measure).
+ignore_eos (like specdecode's), never does, so that every engine makes the same number of tokens. A streamer
+times the tokens as generate() hands them out, with the same latency rule as specdecode's engines
+(specdecode.bench.measure).
 """
 from __future__ import annotations
 

@@ -75,7 +75,8 @@ def engine_table(rows: dict[str, dict], labels: dict) -> str:
     return "\n".join([ENGINE_HEADER] + ["| " + " | ".join(_engine_cells(n, r, labels)) + " |" for n, r in rows.items()])
 
 
-def category_matrix(table: dict[str, dict[str, dict]], labels: dict, key: str = "vs_plain", fmt: str = "{:.2f}x") -> str:
+def category_matrix(table: dict[str, dict[str, dict]], labels: dict, key: str = "vs_plain",
+                    fmt: str = "{:.2f}x") -> str:
     """Engines down, categories across: one figure (default: tokens/s over specdecode plain)."""
     categories = list(table)
     engines = list(table[categories[0]])
@@ -103,7 +104,8 @@ def cost_table(rows: dict[str, dict], labels: dict) -> str:
 
 
 def sweep_cost_table(rows: list[dict]) -> str:
-    lines = ["| B | plain: tokens/s per core | CPU-s per 1M tokens | adaptive: tokens/s per core | CPU-s per 1M tokens |",
+    lines = ["| B | plain: tokens/s per core | CPU-s per 1M tokens | adaptive: tokens/s per core | "
+             "CPU-s per 1M tokens |",
              "|---|---:|---:|---:|---:|"]
     for b in dict.fromkeys(r["batch_size"] for r in rows):
         of_b = {r["mode"]: r for r in rows if r["batch_size"] == b}
@@ -122,9 +124,11 @@ def peer_table(results: dict) -> str:
             draft = cmp.get("draft_model_vs_hf_assisted")
             ngram = cmp.get("ngram_vs_hf_prompt_lookup")
             cells = [f"{plain['tokens_per_s_ratio']:.2f}x" if plain else "-"]
-            cells += ([f"{draft['tokens_per_s_ratio']:.2f}x", f"{draft['our_speedup']:.2f}x vs {draft['their_speedup']:.2f}x",
+            cells += ([f"{draft['tokens_per_s_ratio']:.2f}x",
+                       f"{draft['our_speedup']:.2f}x vs {draft['their_speedup']:.2f}x",
                        f"{draft['best_ours_ratio']:.2f}x"] if draft else ["-"] * 3)
-            cells += ([f"{ngram['tokens_per_s_ratio']:.2f}x", f"{ngram['our_speedup']:.2f}x vs {ngram['their_speedup']:.2f}x"]
+            cells += ([f"{ngram['tokens_per_s_ratio']:.2f}x",
+                       f"{ngram['our_speedup']:.2f}x vs {ngram['their_speedup']:.2f}x"]
                       if ngram else ["-"] * 2)
             lines.append(f"| {temperature} | {category} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -244,7 +248,8 @@ def markdown(results: dict) -> str:
                       for name, cfg in results["peer_settings"].items())]
     first = next(iter(results["per_request"]))
     parts += ["## Cost", f"Process CPU time during each engine's requests ({first}, all categories; "
-              f"{results['machine']['torch_threads']} torch thread(s)):", cost_table(results["per_request"][first]["all"], labels)]
+              f"{results['machine']['torch_threads']} torch thread(s)):",
+              cost_table(results["per_request"][first]["all"], labels)]
     if results.get("sweep"):
         from specdecode.bench.sweep import fixed_k_stops_paying
 

@@ -174,7 +174,9 @@ async def run_load(base_url: str, model: str, requests: list[Request], load: Loa
                 if time.perf_counter() >= deadline:
                     break
                 tasks.append(asyncio.create_task(send(i)))
-        done, pending = await asyncio.wait(tasks, timeout=max(0.0, deadline - time.perf_counter())) if tasks else ((), ())
+        pending = ()
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=max(0.0, deadline - time.perf_counter()))
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)

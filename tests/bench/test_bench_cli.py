@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from specdecode.bench.bench import BenchConfig, compare_peers, sweep_prompt_ids
+from specdecode.bench.bench import BenchConfig, compare_peers, load_prompts, sweep_prompt_ids
 from specdecode.bench.sweep import fixed_k_stops_paying
 from specdecode.cli import main
 from specdecode.errors import ConfigError
@@ -126,3 +126,17 @@ def test_config_rejects_bad_input(tiny_models, capsys):
     assert config.methods == ("ngram", "lookahead")  # a path brings no shipped speculators
     assert main(["bench", "--model", str(tiny_models["target"] / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_stdlib_workloads_are_raw_prompts(tiny_models):
+    from specdecode.model.tokenizer import Tokenizer
+
+    config = BenchConfig(model=str(tiny_models["target"]), stdlib_workloads=True, prompts=2, max_prompt_tokens=400,
+                         sweep_batch_sizes=())
+    tokenizer = Tokenizer(tiny_models["target"])
+    prompts = load_prompts(config, tokenizer)
+    assert set(prompts) <= {"completion", "grounded_edit", "docstring"} and prompts
+    for ps in prompts.values():
+        assert 1 <= len(ps) <= 2
+        for p in ps:
+            assert p.messages == [] and p.token_ids(tokenizer) == tokenizer.encode(p.text)
