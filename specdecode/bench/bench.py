@@ -5,7 +5,8 @@ Workloads: held-out ShareGPT by category (specdecode.bench.categories), a worklo
 code workloads. Each prompt is rendered in the model's chat template (or encoded raw) once, and every engine
 decodes the same token ids, batch 1, stopping at EOS or max_tokens, at each temperature (T=0 greedy; T>0 seeded
 sampling). Prompts run one at a time with every engine in turn, so a change of load on the machine hits all engines
-alike, and speedups are ratios within the run. Then a batch-size sweep (plain vs fixed K vs adaptive, specdecode.bench.sweep) and a roofline for plain decoding.
+alike, and speedups are ratios within the run. Then a batch-size sweep (plain vs fixed K vs adaptive,
+specdecode.bench.sweep) and a roofline for plain decoding.
 """
 from __future__ import annotations
 
