@@ -16,6 +16,8 @@ SCALE_RATE = 0.1
 """Weight of a new measurement in the running measured/calibrated cost ratios and overheads."""
 REALISED_FADE = 0.98
 """Per plain step, how much of a request's evidence about its drafting steps' speed is kept."""
+MAX_PROBE_INTERVAL = 512
+"""Most plain steps between two probes of a speculator whose drafts keep failing."""
 
 
 class Curve:
@@ -141,6 +143,10 @@ class SpecController:
         self.realised: dict[str, list[float]] = {}
         self.plain_wall: dict[int, float] = {}
         self.steps_since_draft = 0
+        # Plain steps before the next probe: doubles after each probe that had nothing accepted, so a speculator
+        # that never pays (T=1 on a weak draft, say) costs a probe per ever longer stretch, not one per 16 steps.
+        self.probe_interval = self.probe_every
+        self.probing = False
 
     def reset(self) -> None:
         """Forget everything learned online (the calibrated cost shapes stay)."""
@@ -210,11 +216,12 @@ class SpecController:
             return 0
         rates = [self.rates(s.request_id, prior) for s in speculating if not self.losing(s.request_id, len(seqs))]
         k = self.best_k(len(seqs), rates)[0] if rates else 0
-        if k == 0 and self.steps_since_draft >= self.probe_every:
+        if k == 0 and self.steps_since_draft >= self.probe_interval:
             # Acceptance is only learned while drafting: now and then re-measure it with one cheap level, but only
             # where a good acceptance rate would make speculation pay at this batch size.
             if self.best_k(len(seqs), [[0.9] * self.max_k] * len(speculating))[0] > 0:
                 k = 1
+                self.probing = True
         return k
 
     def observe(self, seqs, k: int, report, wall_time: float) -> None:
@@ -225,6 +232,11 @@ class SpecController:
         self.costs.observe(len(seqs), verified_k, k, report.draft_time, report.verify_time, wall_time)
         drafting = any(report.draft_lens)
         self.steps_since_draft = 0 if drafting else self.steps_since_draft + 1
+        if any(report.accepted_lens):
+            self.probe_interval = self.probe_every
+        elif drafting and self.probing:
+            self.probe_interval = min(2 * self.probe_interval, MAX_PROBE_INTERVAL)
+        self.probing = False
         if report.width == 1:  # a plain step: what drafting has to beat
             b, plain = len(seqs), self.plain_wall.get(len(seqs))
             self.plain_wall[b] = wall_time if plain is None else plain + SCALE_RATE * (wall_time - plain)

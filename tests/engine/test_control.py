@@ -151,6 +151,26 @@ def test_low_acceptance_turns_speculation_off_then_probes():
     assert 1 in choices  # a probe re-measures the acceptance rate now and then
 
 
+def test_failed_probes_back_off():
+    """Once speculation is off, a speculator whose drafts are never accepted is probed after 8, 16, 32, ... plain
+    steps, not every 8; one accepted draft brings the interval back to 8."""
+    controller = SpecController(synthetic_costs(), MAX_K, probe_every=8)
+    seqs = seqs_of(1)
+    feed(controller, seqs, k=3, accept_prob=0.0, steps=60, rng=random.Random(1))
+    drafted = []
+    for step in range(400):
+        k = controller.choose(seqs)
+        if k:
+            drafted.append(step)
+        controller.observe(seqs, k, StepReport(1 + k, 0.001 * k, 0.01, [k], [0]), wall_time=0.0101 + 0.001 * k)
+    gaps = [b - a for a, b in zip(drafted, drafted[1:])]
+    assert 3 <= len(drafted) <= 7, drafted  # without backing off: a probe every 9 steps, 44 of them
+    assert gaps == sorted(gaps) and gaps[-1] >= 4 * gaps[0]
+
+    controller.observe(seqs, 1, StepReport(2, 0.001, 0.01, [1], [1]), wall_time=0.0111)
+    assert controller.probe_interval == 8
+
+
 def test_requests_without_speculation_count_as_plain_rows():
     controller = SpecController(synthetic_costs(), MAX_K)
     assert controller.choose(seqs_of(2, use_speculation=False)) == 0
