@@ -196,7 +196,8 @@ class StepRunner:
         sampled = [b for b, s in enumerate(seqs) if not s.params.greedy]
         read = [b for b, (s, t) in enumerate(zip(seqs, trees)) if s.params.greedy or t.lookahead is not None]
         if read:
-            argmax = logits[read].argmax(-1).tolist()  # the step's one host synchronisation (greedy rows)
+            rows = logits if len(read) == len(seqs) else logits[read]  # indexing by a list would copy the logits
+            argmax = rows.argmax(-1).tolist()  # the step's one host synchronisation (greedy rows)
             for row, b in zip(argmax, read):
                 tree = trees[b]
                 if tree.lookahead is not None:
