@@ -1,5 +1,5 @@
-"""Command-line flags for tensor parallelism and memory budgets, shared by `generate` and `serve` (no torch
-imports here: the command line starts fast)."""
+"""Command-line flags for tensor parallelism, memory budgets (`generate`, `serve`) and Ray Serve replicas (`serve`);
+no torch imports here: the command line starts fast."""
 from __future__ import annotations
 
 GiB = 1024 ** 3
@@ -26,3 +26,19 @@ def scaleout_kwargs(args) -> dict:
             "draft_tensor_parallel_size": args.draft_tensor_parallel_size,
             "memory_budget": None if args.memory_budget is None else int(args.memory_budget * GiB),
             "gpu_memory_utilization": args.gpu_memory_utilization}
+
+
+def add_replica_args(p) -> None:
+    """Ray Serve replicas of `serve` (the [ray] extra)."""
+    group = p.add_argument_group("replicas on Ray Serve (pip install -e '.[ray]')")
+    group.add_argument("--replicas", type=int, default=None,
+                       help="serve N replicas of the engine behind Ray Serve's HTTP proxy (same routes)")
+    group.add_argument("--min-replicas", type=int, default=None, help="autoscale between this ...")
+    group.add_argument("--max-replicas", type=int, default=None, help="... and this many replicas")
+    group.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves per replica (default 1)")
+    group.add_argument("--replica-gpus", type=float, default=0.0,
+                       help="GPUs per replica (default 0; its --tensor-parallel-size on GPUs)")
+    group.add_argument("--graceful-shutdown-timeout", type=float, default=30.0,
+                       help="seconds a stopping replica may finish its requests (default 30)")
+    group.add_argument("--ray-address", default=None,
+                       help="Ray cluster to join (default: RAY_ADDRESS, else a local one started here)")

@@ -6,7 +6,7 @@ import logging
 import os
 from pathlib import Path
 
-from specdecode.dist.flags import add_scaleout_args, scaleout_kwargs
+from specdecode.dist.flags import add_replica_args, add_scaleout_args, scaleout_kwargs
 from specdecode.errors import ConfigError
 from specdecode.server.limits import add_limit_args, limits_from_args
 from specdecode.spec.config import METHODS
@@ -62,6 +62,7 @@ def register(sub) -> None:
                         "(default 300)")
     add_limit_args(p)
     add_scaleout_args(p)
+    add_replica_args(p)
     p.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
     p.set_defaults(func=cmd_serve, compare=False)
 
@@ -118,10 +119,17 @@ def cmd_serve(args) -> int:
         config["adaptive"] = args.adaptive
         if args.disable_by_batch_size is not None:
             config["disable_by_batch_size"] = args.disable_by_batch_size
-    llm = LLM(model=model_dir, dtype=args.dtype, device=args.device, speculative_config=config,
-              max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, **scaleout_kwargs(args))
-    engine = AsyncEngine(llm, max_waiting=args.max_waiting, stall_timeout=args.stall_timeout or STALL_TIMEOUT)
+    llm_kwargs = dict(model=model_dir, dtype=args.dtype, device=args.device, speculative_config=config,
+                      max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, **scaleout_kwargs(args))
     name = args.served_model_name or model_name
+    if args.replicas is not None or args.min_replicas is not None:  # Ray Serve: each replica builds its engine
+        from specdecode.server.ray_serve import ReplicaSettings, deployment_settings, serve_replicas
+
+        settings = ReplicaSettings(llm_kwargs, name, args.max_waiting, args.stall_timeout or STALL_TIMEOUT, key,
+                                   limits, allowed_hosts(args))
+        return serve_replicas(settings, deployment_settings(args), args.host, args.port, args.ray_address)
+    llm = LLM(**llm_kwargs)
+    engine = AsyncEngine(llm, max_waiting=args.max_waiting, stall_timeout=args.stall_timeout or STALL_TIMEOUT)
     app = build_app(engine, name, api_key=key, limits=limits, allowed_hosts=allowed_hosts(args))
     engine.start()
     try:
