@@ -125,7 +125,7 @@ class _NameReplica:
 
 def deployment_settings(args) -> DeploymentSettings:
     """From `serve`'s replica flags (dist/flags.py)."""
-    return DeploymentSettings(args.replicas or 1, args.min_replicas, args.max_replicas, args.replica_cpus,
+    return DeploymentSettings(1 if args.replicas is None else args.replicas, args.min_replicas, args.max_replicas, args.replica_cpus,
                               args.replica_gpus, args.graceful_shutdown_timeout)
 
 

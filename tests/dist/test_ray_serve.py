@@ -15,10 +15,12 @@ ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 import httpx  # noqa: E402
 
+from specdecode.cli import build_parser  # noqa: E402
 from specdecode.engine.llm import LLM  # noqa: E402
+from specdecode.errors import ConfigError  # noqa: E402
 from specdecode.sampling import SamplingParams  # noqa: E402
 from specdecode.server.ray_serve import (REPLICA_HEADER, DeploymentSettings, ReplicaSettings,  # noqa: E402
-                                         app_builder, build_deployment)
+                                         app_builder, build_deployment, deployment_settings)
 
 PROMPTS = ["def add(a, b):", "class Point:", "for i in range(10):", "import os"]
 DEADLINE = 60.0  # seconds any one request may take here before the test calls it a hang
@@ -158,5 +160,11 @@ def test_serve_run_builder_reads_its_arguments(tiny_models):
     deployment = app._bound_deployment
     assert deployment.num_replicas == 3
     assert deployment.ray_actor_options["num_cpus"] == 0.25
-    with pytest.raises(Exception, match="min_replicas and --max-replicas|both"):
+    with pytest.raises(ConfigError, match="both --min-replicas and --max-replicas"):
         DeploymentSettings(min_replicas=1)
+    parser = build_parser()
+    with pytest.raises(ConfigError, match="--replicas must be >= 1"):  # refused before any cluster starts
+        deployment_settings(parser.parse_args(["serve", "--replicas", "0"]))
+    flags = ["serve", "--min-replicas", "1", "--max-replicas", "3", "--replica-cpus", "2", "--replica-gpus", "1"]
+    settings = deployment_settings(parser.parse_args(flags))
+    assert (settings.min_replicas, settings.max_replicas, settings.num_cpus, settings.num_gpus) == (1, 3, 2.0, 1.0)
