@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import weakref
 
+import numpy as np
 import torch
 
 from specdecode.model.cache import KVCache
@@ -26,15 +27,27 @@ class Command:
     cache_id: int | None = None
     """The cache the operation uses (ids are rank 0's)."""
     args: dict = dataclasses.field(default_factory=dict)
-    """The operation's arguments (CPU tensors)."""
-    lengths: torch.Tensor | None = None
+    """The operation's arguments (tensors as numpy arrays, see to_wire)."""
+    lengths: np.ndarray | None = None
     """The cache's committed lengths [slots] on rank 0 just before the operation (workers copy them)."""
     freed: list[int] = dataclasses.field(default_factory=list)
     """Caches rank 0 has dropped since the last command: the workers drop theirs."""
 
 
-def _cpu(value):
-    return value.cpu() if isinstance(value, torch.Tensor) else value
+def to_wire(value):
+    """A tensor as a numpy array (pickled in microseconds, a torch tensor takes hundreds); other values as they are.
+    bfloat16 has no numpy type: such tensors travel as torch tensors."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    value = value.detach().cpu()
+    return value if value.dtype == torch.bfloat16 else value.numpy()
+
+
+def from_wire(value, device: torch.device | None = None):
+    """Inverse of to_wire (onto device, if given)."""
+    if isinstance(value, np.ndarray):
+        value = torch.from_numpy(value)
+    return value.to(device) if isinstance(value, torch.Tensor) and device is not None else value
 
 
 class ParallelCache:
@@ -49,8 +62,8 @@ class ParallelCache:
         return getattr(self.local, name)
 
     def commit(self, slots: torch.Tensor, kept: torch.Tensor, n_kept: torch.Tensor) -> None:
-        args = {"slots": _cpu(slots), "kept": _cpu(kept), "n_kept": _cpu(n_kept)}
-        self.runtime.send(Command("commit", cache_id=self.cache_id, args=args, lengths=self.local.lengths.clone()))
+        args = {"slots": to_wire(slots), "kept": to_wire(kept), "n_kept": to_wire(n_kept)}
+        self.runtime.send(Command("commit", cache_id=self.cache_id, args=args, lengths=to_wire(self.local.lengths)))
         self.local.commit(slots, kept, n_kept)
 
 
@@ -79,8 +92,8 @@ class ParallelModel:
         args = {"input_ids": input_ids, "positions": positions, "slots": slots, "tree_mask": tree_mask,
                 "inputs_embeds": inputs_embeds, "pending": pending}
         self.runtime.send(Command("forward", self.name, None if cache is None else cache.cache_id,
-                                  {k: _cpu(v) for k, v in args.items()},
-                                  None if cache is None else cache.local.lengths.clone()))
+                                  {k: to_wire(v) for k, v in args.items()},
+                                  None if cache is None else to_wire(cache.local.lengths)))
         return self.local(input_ids, positions, None if cache is None else cache.local, slots, tree_mask,
                           hidden_layers, compute_logits, inputs_embeds, pending)
 

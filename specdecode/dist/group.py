@@ -16,6 +16,8 @@ from specdecode.errors import ConfigError
 IDLE_TIMEOUT = datetime.timedelta(days=30)
 """How long a collective may wait: workers wait for the engine's next command, and a server may idle for long.
 A dead engine is noticed by the worker's parent watch (worker.py), not by this timeout."""
+INLINE_BYTES = 16 * 1024
+"""Size of the one buffer an object broadcast sends first: a decode step's command fits in it."""
 
 
 class Group:
@@ -38,14 +40,24 @@ class Group:
         return tensor
 
     def broadcast_object(self, obj=None):
-        """Rank 0's `obj` on every rank (pickled; tensors inside should be on the CPU)."""
+        """Rank 0's `obj` on every rank (pickled: numpy arrays inside pickle fast, torch tensors slowly). One
+        broadcast of a fixed-size buffer carries a small object; a larger one takes a second for the rest."""
         if self.rank == 0:
-            data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(self.device)
-            size = torch.tensor([data.numel()], dtype=torch.long, device=self.device)
+            data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+            head = torch.zeros(INLINE_BYTES, dtype=torch.uint8)
+            head[:8] = torch.frombuffer(bytearray(len(data).to_bytes(8, "little")), dtype=torch.uint8)
+            inline = min(len(data), INLINE_BYTES - 8)
+            head[8:8 + inline] = torch.frombuffer(bytearray(data[:inline]), dtype=torch.uint8)
+            head = head.to(self.device)
         else:
-            size = torch.zeros(1, dtype=torch.long, device=self.device)
-        self.pg.broadcast([size]).wait()
-        if self.rank != 0:
-            data = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
-        self.pg.broadcast([data]).wait()
-        return obj if self.rank == 0 else pickle.loads(data.cpu().numpy().tobytes())
+            head = torch.empty(INLINE_BYTES, dtype=torch.uint8, device=self.device)
+        self.pg.broadcast([head]).wait()
+        head = head.cpu().numpy()
+        size = int.from_bytes(head[:8].tobytes(), "little")
+        if size > INLINE_BYTES - 8:
+            rest = (torch.frombuffer(bytearray(data[INLINE_BYTES - 8:]), dtype=torch.uint8).to(self.device)
+                    if self.rank == 0 else torch.empty(size - INLINE_BYTES + 8, dtype=torch.uint8, device=self.device))
+            self.pg.broadcast([rest]).wait()
+            if self.rank != 0:
+                return pickle.loads(head[8:].tobytes() + rest.cpu().numpy().tobytes())
+        return obj if self.rank == 0 else pickle.loads(head[8:8 + size].tobytes())

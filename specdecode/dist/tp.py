@@ -46,8 +46,7 @@ def check_divisible(config: ModelConfig, size: int, what: str = "tensor_parallel
              "MLP width": config.intermediate_size}
     bad = [f"{count} {name}" for name, count in parts.items() if count % size]
     if bad:
-        raise ConfigError(f"{what}={size} does not divide the model's {' and '.join(bad)} "
-                          f"({config.num_attention_heads} query heads, {config.num_key_value_heads} KV heads); "
+        raise ConfigError(f"{what}={size} does not divide the model's {' and '.join(bad)}; "
                           f"sizes that work for this model: {', '.join(map(str, valid_sizes(config)))}")
 
 

@@ -15,7 +15,7 @@ import traceback
 
 import torch
 
-from specdecode.dist.driver import Command
+from specdecode.dist.driver import Command, from_wire
 
 
 @dataclasses.dataclass
@@ -82,12 +82,11 @@ def run_commands(group, models: dict, device: torch.device) -> None:
             continue
         cache = caches.get(cmd.cache_id)
         if cache is not None:
-            cache.lengths.copy_(cmd.lengths)
+            cache.lengths.copy_(from_wire(cmd.lengths))
         if cmd.op == "commit":
-            cache.commit(cmd.args["slots"], cmd.args["kept"], cmd.args["n_kept"])
+            cache.commit(*(from_wire(cmd.args[k]) for k in ("slots", "kept", "n_kept")))
         elif cmd.op == "forward":
-            args = {k: v.to(device) if isinstance(v, torch.Tensor) and k != "slots" else v
-                    for k, v in cmd.args.items()}
+            args = {k: from_wire(v, None if k == "slots" else device) for k, v in cmd.args.items()}
             # Only the all-reduces matter here: no logits, no hidden states kept.
             models[cmd.model](cache=cache, compute_logits=False, **args)
         else:
