@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 
 import jinja2
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -28,6 +28,7 @@ from specdecode.errors import ConfigError
 from specdecode.sampling import SamplingParams
 from specdecode.server.guard import LOCAL_HOSTS, Guard
 from specdecode.server.limits import ServerLimits
+from specdecode.server import schema
 from specdecode.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request, parse
 
 MAX_PROMPT_CHARS_PER_TOKEN = 64
@@ -51,11 +52,12 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
               allowed_hosts: list[str] | None = None) -> FastAPI:
     """allowed_hosts: names the Host header may carry (default: localhost, 127.0.0.1 and ::1; "*" = any)."""
     limits = limits or ServerLimits()
-    app = FastAPI(title="specdecode", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="specdecode", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.add_middleware(Guard, limits=limits, allowed_hosts=list(allowed_hosts or LOCAL_HOSTS), api_key=api_key)
     llm = engine.llm
     vocab = llm.target.config.vocab_size
     max_prompt = limits.prompt_tokens(llm.max_model_len)
+    schema.install(app, schema.accepted_fields(model_name, vocab, llm.max_model_len, limits))
     created = int(time.time())
 
     @app.exception_handler(APIError)
@@ -75,14 +77,14 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
         return JSONResponse(APIError(500, f"internal error (error id {error_id} in the server's log)",
                                      type="internal_error").body(), status_code=500)
 
-    @app.get("/health")
+    @app.get("/health", responses={503: {"description": "the engine is not running (the reason says why)"}})
     async def health():
         problem = engine.health()
         if problem is not None:
             return JSONResponse({"status": "unavailable", "reason": problem}, status_code=503)
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
@@ -174,7 +176,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
         except EngineDead as exc:
             raise APIError(503, str(exc), type="server_error") from None
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", **schema.generation_route(CompletionRequest, schema.Completion))
     async def completions(request: Request):
         prepared = await run_in_threadpool(prepare_completion, await request.body())
         req, echo = prepared.req, prepared.echo
@@ -198,7 +200,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
         body["usage"] = usage
         return body
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", **schema.generation_route(ChatCompletionRequest, schema.ChatCompletion))
     async def chat_completions(request: Request):
         prepared = await run_in_threadpool(prepare_chat, await request.body())
         req = prepared.req

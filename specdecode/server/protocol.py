@@ -5,9 +5,20 @@ fields OpenAI defines that specdecode does not implement are refused with a 400 
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+
+
+def _integral(value):
+    """JSON has one number type: 5.0 is the integer 5 (as JSON Schema's "integer" says); 5.5 stays an error."""
+    if isinstance(value, float) and value.is_integer() and abs(value) <= 2 ** 64:
+        return int(value)
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_integral)]
+"""An integer field: 5 or 5.0, never 5.5, "5" or true."""
 
 
 class APIError(Exception):
@@ -42,12 +53,12 @@ class _Request(BaseModel):
     model: str | None = None
     temperature: float | None = Field(None, allow_inf_nan=False)
     top_p: float | None = Field(None, allow_inf_nan=False)
-    top_k: int | None = None
-    n: int | None = 1
+    top_k: Int | None = None
+    n: Int | None = 1
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=-(2 ** 63), lt=2 ** 64)
+    seed: Int | None = Field(None, ge=-(2 ** 63), lt=2 ** 64)
     presence_penalty: float | None = Field(None, allow_inf_nan=False)
     frequency_penalty: float | None = Field(None, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None
@@ -68,11 +79,11 @@ class _Request(BaseModel):
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = 16
+    prompt: str | list[Int] | list[str] | list[list[Int]]
+    max_tokens: Int | None = 16
     echo: bool | None = False
-    logprobs: int | None = None
-    best_of: int | None = None
+    logprobs: Int | None = None
+    best_of: Int | None = None
     suffix: str | None = None
 
     def check_supported(self) -> None:
@@ -114,10 +125,10 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Int | None = None
+    max_completion_tokens: Int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = None
     tools: list | None = None
 
     def check_supported(self) -> None:

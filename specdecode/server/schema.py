@@ -1,0 +1,172 @@
+"""The OpenAPI schema the server publishes at /openapi.json: FastAPI's, plus the request bodies that the routes parse
+themselves (in worker threads, so FastAPI cannot see them), the answers, and OpenAI's error format for every 4xx.
+Fuzzers (tests/server/test_fuzz.py, benchmarks/fuzz_server.py) generate requests from it."""
+from __future__ import annotations
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+
+from specdecode.server.limits import ServerLimits
+from specdecode.server.protocol import ChatCompletionRequest, CompletionRequest
+
+REF = "#/components/schemas/{model}"
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error format."""
+
+    error: ErrorBody
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None
+    finish_reason: str | None
+
+
+class Completion(BaseModel):
+    """A /v1/completions answer (with "stream": true, server-sent events of the same shape, without usage)."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class ChatMessageOut(BaseModel):
+    role: str
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: None
+    finish_reason: str | None
+
+
+class ChatCompletion(BaseModel):
+    """A /v1/chat/completions answer (with "stream": true, server-sent chat.completion.chunk events)."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+ERRORS = {
+    400: "the body is not a valid request (the message names the field), or asks for something unsupported",
+    401: "the API key is missing or wrong",
+    404: "the model named is not the one served",
+    408: "the body did not arrive within --body-timeout",
+    413: "the body is larger than --max-body-bytes",
+    415: "the body is not JSON",
+    499: "the client closed the request",
+    503: "the server is overloaded (queue full) or its engine stopped; retry",
+}
+"""Status -> when a generation route answers it (always in OpenAI's error format)."""
+
+
+def generation_route(request: type[BaseModel], answer: type[BaseModel]) -> dict:
+    """Keyword arguments for a POST route decorator whose handler parses `request` itself."""
+    return {
+        "openapi_extra": {"requestBody": {"required": True, "content": {
+            "application/json": {"schema": {"$ref": REF.format(model=request.__name__)}}}}},
+        "responses": {200: {"model": answer, "description": "the answer, or server-sent events when \"stream\" is "
+                                                            "true", "content": {"text/event-stream": {}}},
+                      **{status: {"model": ErrorResponse, "description": why} for status, why in ERRORS.items()}},
+    }
+
+
+def _nullable(schema: dict) -> dict:
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+def accepted_fields(model_name: str, vocab: int, context: int, limits: ServerLimits) -> tuple[dict, dict, dict]:
+    """The values the server accepts, where the request models' types alone allow more (the routes check these
+    after parsing): fields of both requests, of completions only, of chat only. With them the schema describes the
+    bodies that are served, so that a fuzzer's valid requests reach the engine."""
+    stop = {"type": "string", "minLength": 1, "maxLength": limits.max_stop_chars}
+    tokens = {"type": "integer", "minimum": 1, "maximum": max(1, context - 1)}
+    ids = {"type": "array", "minItems": 1, "maxItems": limits.prompt_tokens(context),
+           "items": {"type": "integer", "minimum": 0, "maximum": vocab - 1}}
+    text = {"type": "string", "minLength": 1}
+    common = {
+        "model": _nullable({"type": "string", "enum": [model_name]}),
+        "temperature": _nullable({"type": "number", "minimum": 0}),
+        "top_p": _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 1}),
+        "top_k": _nullable({"type": "integer", "minimum": -1, "maximum": vocab}),
+        "n": _nullable({"type": "integer", "enum": [1]}),
+        "stop": {"anyOf": [stop, {"type": "array", "items": stop, "maxItems": limits.max_stop_strings},
+                           {"type": "null"}]},
+        "presence_penalty": _nullable({"type": "number", "enum": [0]}),
+        "frequency_penalty": _nullable({"type": "number", "enum": [0]}),
+        "logit_bias": _nullable({"type": "object", "maxProperties": 0}),
+        "max_tokens": _nullable(tokens),
+    }
+    completion = {
+        "prompt": {"anyOf": [text, ids, {"type": "array", "items": text, "minItems": 1, "maxItems": 1},
+                             {"type": "array", "items": ids, "minItems": 1, "maxItems": 1}]},
+        "logprobs": {"type": "null"},
+        "best_of": _nullable({"type": "integer", "enum": [1]}),
+        "suffix": _nullable({"type": "string", "maxLength": 0}),
+    }
+    chat = {
+        "messages": {"type": "array", "items": {"$ref": REF.format(model="ChatMessage")}, "minItems": 1,
+                     "maxItems": limits.max_messages},
+        "max_completion_tokens": _nullable(tokens),
+        "logprobs": {"type": "boolean", "enum": [False]},
+        "top_logprobs": _nullable({"type": "integer", "enum": [0]}),
+        "tools": _nullable({"type": "array", "maxItems": 0}),
+    }
+    return common, completion, chat
+
+
+def install(app: FastAPI, accepted: tuple[dict, dict, dict] | None = None) -> None:
+    """Make app.openapi() (served at app.openapi_url) include the request models, narrowed to `accepted` (from
+    accepted_fields) when given."""
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=_version(), routes=app.routes,
+                                 description="OpenAI-compatible API with lossless speculative decoding")
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            common, completion, chat = accepted or ({}, {}, {})
+            for model, own in ((CompletionRequest, completion), (ChatCompletionRequest, chat)):
+                body = model.model_json_schema(ref_template=REF)
+                components.update(body.pop("$defs", {}))
+                for name, narrowed in {**common, **own}.items():
+                    body["properties"][name] = {**narrowed, "title": body["properties"][name].get("title", name)}
+                components[model.__name__] = body
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("specdecode")
+    except PackageNotFoundError:
+        return "0"
