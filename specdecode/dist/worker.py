@@ -64,7 +64,12 @@ def worker_main(spec: WorkerSpec, parent: int) -> None:
         store.set(f"loaded/{spec.rank}", traceback.format_exc())
         return
     group = holder.connect(store, spec.rank, spec.world_size, torch.device(spec.device))
-    run_commands(group, {"target": model}, torch.device(spec.device))
+    try:
+        run_commands(group, {"target": model}, torch.device(spec.device))
+    except RuntimeError as exc:  # gloo/NCCL: rank 0 is gone (killed, crashed); nothing is left to serve
+        print(f"specdecode tensor-parallel rank {spec.rank}: the group broke ({str(exc).splitlines()[0][:200]})",
+              file=sys.stderr)
+        os._exit(1)
 
 
 @torch.inference_mode()

@@ -109,3 +109,27 @@ def test_generate_command_takes_the_flag(tiny_models, capsys):
         assert main(argv) == 0
         texts.append(capsys.readouterr().out.strip().splitlines()[:-1])  # the speed line differs
     assert texts[0] == texts[1] and texts[0]
+
+
+def test_a_dead_worker_is_an_error_not_a_hang(tiny_models):
+    import threading
+
+    sharded = launch_tensor_parallel(tiny_models["target"], 2, dtype="float32", device="cpu")
+    worker = sharded.runtime.processes[0]
+    worker.kill()
+    worker.wait(timeout=10)
+    outcome = []
+
+    def forward():
+        try:
+            with torch.inference_mode():
+                sharded(torch.zeros(1, 4, dtype=torch.long))
+            outcome.append(None)
+        except RuntimeError as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=forward, daemon=True)
+    thread.start()
+    thread.join(timeout=60)
+    assert outcome and isinstance(outcome[0], RuntimeError), outcome
+    sharded.runtime.close()  # after a failure: no hang either
