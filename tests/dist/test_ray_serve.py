@@ -1,7 +1,7 @@
 """Two replicas on a local Ray cluster behind Ray Serve's HTTP proxy, driven by the official openai client: greedy
 answers equal offline LLM.generate, requests reach both replicas, each has its own /metrics, a killed replica's
-streams fail with a connection error (retryable, not a hang) and it is replaced, and a deleted deployment lets
-its in-flight stream finish. Skipped when Ray Serve is not installed (pip install -e ".[ray]")."""
+streams fail with a connection error and its other requests get an error the client retries (not a hang), it is
+replaced, and a deleted deployment lets its in-flight stream finish. Skipped when Ray Serve is not installed (pip install -e ".[ray]")."""
 import os
 import signal
 import socket
@@ -131,6 +131,16 @@ def test_a_killed_replica_fails_its_streams_retryably_and_is_replaced(cluster):
         if len({replica for _, replica in streams}) == 2:
             break
     victim = streams[0][1]
+    answers = []  # non-streaming requests in flight during the kill, from clients that retry (openai's default)
+
+    def ask():
+        answers.append(client(cluster, retries=2).completions.create(
+            model="tiny", prompt="x", max_tokens=400, extra_body={"ignore_eos": True}).usage.completion_tokens)
+
+    asking = [threading.Thread(target=ask, daemon=True) for _ in range(4)]
+    for thread in asking:
+        thread.start()
+    time.sleep(0.3)
     os.kill(int(victim.rsplit("/", 1)[1]), signal.SIGKILL)
     for stream, replica in streams:
         chunks, error = drain(stream)
@@ -138,6 +148,9 @@ def test_a_killed_replica_fails_its_streams_retryably_and_is_replaced(cluster):
             assert isinstance(error, (openai.APIConnectionError, httpx.TransportError)), error  # retried by clients
         else:
             assert error is None and chunks == 400, (chunks, error)
+    for thread in asking:
+        thread.join(DEADLINE)
+    assert answers == [400] * 4, "a killed replica's requests are retried onto a live one"
     deadline = time.monotonic() + DEADLINE
     replicas = set()
     while len(replicas - {victim}) < 2 and time.monotonic() < deadline:
