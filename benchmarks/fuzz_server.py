@@ -15,13 +15,14 @@ import collections
 import concurrent.futures
 import dataclasses
 import json
-import os
-import signal
-import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serving import start_server, stop_server  # noqa: E402
 
 ERROR_KEYS = {"message", "type", "param", "code"}
 
@@ -138,31 +139,11 @@ def still_serves(url: str, prompt: str = "Hello", max_tokens: int = 8) -> dict:
     return body
 
 
-def _start_server(args) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "specdecode.cli", "serve", "--port", str(args.port), "--max-model-len",
-           str(args.max_model_len), "--max-num-seqs", "8", "--log-level", "warning"]
-    if args.model:
-        cmd += ["--model", args.model]
-    proc = subprocess.Popen(cmd, start_new_session=True)
-    url = f"http://127.0.0.1:{args.port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited with {proc.returncode}")
-        time.sleep(1)
-    raise SystemExit("the server did not start within 10 minutes")
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", default=None, help="fuzz this running server (default: start one)")
     parser.add_argument("--model", default=None, help="model for the server started here (default: SmolLM2)")
-    parser.add_argument("--port", type=int, default=8765)
+    parser.add_argument("--port", type=int, default=None)
     parser.add_argument("--max-model-len", type=int, default=96,
                         help="context of the server started here (small, so generations are short)")
     parser.add_argument("--requests", type=int, default=2000, help="at least this many requests")
@@ -173,7 +154,8 @@ def main() -> int:
     proc = None
     url = args.url
     if url is None:
-        proc, url = _start_server(args)
+        server_args = ["--max-model-len", str(args.max_model_len), "--max-num-seqs", "8"]
+        proc, url = start_server(server_args + (["--model", args.model] if args.model else []), args.port)
     try:
         start = time.monotonic()
         report, seed = FuzzReport(), args.seed
@@ -199,8 +181,7 @@ def main() -> int:
         return 1 if report.failed else 0
     finally:
         if proc is not None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=60)
+            stop_server(proc)
 
 
 if __name__ == "__main__":

@@ -239,7 +239,9 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def _sse(body: dict) -> str:
-    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+    # ASCII only: generated text may hold U+2028, U+2029 or U+0085, which SSE does not treat as line ends but
+    # splitlines-based clients (httpx's aiter_lines, for one) do, cutting an event in two.
+    return f"data: {json.dumps(body)}\n\n"
 
 
 def _sse_response(events: AsyncIterator[str]) -> StreamingResponse:
