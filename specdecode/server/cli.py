@@ -125,6 +125,7 @@ def cmd_serve(args) -> int:
     if args.replicas is not None or args.min_replicas is not None:  # Ray Serve: each replica builds its engine
         from specdecode.server.ray_serve import ReplicaSettings, deployment_settings, serve_replicas
 
+        llm_kwargs["model"] = args.model  # a name (None: the default) is fetched by each replica, on its node
         settings = ReplicaSettings(llm_kwargs, name, args.max_waiting, args.stall_timeout or STALL_TIMEOUT, key,
                                    limits, allowed_hosts(args))
         return serve_replicas(settings, deployment_settings(args), args.host, args.port, args.ray_address)

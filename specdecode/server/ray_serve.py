@@ -153,10 +153,10 @@ def app_builder(args: dict):
     """For `serve run specdecode.server.ray_serve:app_builder model=M replicas=2 ...` (or a Serve config file):
     keys are model, served_model_name, dtype, device, max_num_seqs, max_model_len, tensor_parallel_size,
     replicas, min_replicas, max_replicas, num_cpus, num_gpus, allowed_hosts (comma-separated)."""
-    from specdecode.models.registry import model_name, resolve_model
+    from specdecode.models.registry import model_name
 
-    model = args.get("model")
-    llm_kwargs = {"model": str(resolve_model(model)), "dtype": args.get("dtype", "auto"),
+    model = args.get("model")  # a name is resolved (fetched) by each replica, on its own node
+    llm_kwargs = {"model": model, "dtype": args.get("dtype", "auto"),
                   "device": args.get("device"), "max_num_seqs": int(args.get("max_num_seqs", 32)),
                   "tensor_parallel_size": int(args.get("tensor_parallel_size", 1))}
     if args.get("max_model_len"):
