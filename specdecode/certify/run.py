@@ -17,9 +17,9 @@ from specdecode.certify.stats import PositionStats, Verdict, position_stats, ver
 from specdecode.errors import ConfigError
 from specdecode.sampling import SamplingParams, params_tensors, processed_probs
 
-DEFAULT_SAMPLES = 16_384
-"""Emitted tokens tested by default: ~6 minutes with one speculative method on SmolLM2 on two CPU cores, and enough
-that each of the three broken verifiers of tests/certify fails with p < 1e-6."""
+DEFAULT_SAMPLES = 4096
+"""Emitted tokens tested by default: enough that each broken verifier of tests/certify fails with p < 1e-6 (docs/
+certify.md has the figures); the time this takes on SmolLM2 is in the issue's note."""
 
 
 @dataclasses.dataclass

@@ -10,7 +10,7 @@ from specdecode.model.loading import load_model, save_model
 from specdecode.spec.proposers.draft_model import DraftModelProposer
 from specdecode.spec.tree import DraftTree
 
-from ..conftest import make_checkpoint, write_tokenizer
+from tests.conftest import make_checkpoint, write_tokenizer
 
 
 def sharpen(folder: Path, factor: float, noise: float = 0.0, out: Path | None = None, seed: int = 0) -> None:
