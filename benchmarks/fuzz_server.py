@@ -143,6 +143,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", default=None, help="fuzz this running server (default: start one)")
     parser.add_argument("--model", default=None, help="model for the server started here (default: SmolLM2)")
+    parser.add_argument("--speculative-model", default=None, help="draft for the server started here")
     parser.add_argument("--port", type=int, default=None)
     parser.add_argument("--max-model-len", type=int, default=96,
                         help="context of the server started here (small, so generations are short)")
@@ -155,7 +156,10 @@ def main() -> int:
     url = args.url
     if url is None:
         server_args = ["--max-model-len", str(args.max_model_len), "--max-num-seqs", "8"]
-        proc, url = start_server(server_args + (["--model", args.model] if args.model else []), args.port)
+        for flag in ("model", "speculative_model"):
+            if getattr(args, flag):
+                server_args += ["--" + flag.replace("_", "-"), getattr(args, flag)]
+        proc, url = start_server(server_args, args.port)
     try:
         start = time.monotonic()
         report, seed = FuzzReport(), args.seed

@@ -55,3 +55,11 @@ def test_still_serves_exactly_after_fuzzing(fuzzed, tiny_models):
     assert fuzzed.engine.wait_idle(60)
     gauges = metrics(fuzzed)
     assert gauges["specdecode:num_requests_running"] == 0 and gauges["specdecode:num_requests_waiting"] == 0
+
+
+@pytest.mark.parametrize("depth", [1000, 100_000])
+def test_deeply_nested_json_is_a_400(fuzzed, depth):
+    body = b'{"prompt": "x", "user": ' + b"[" * depth + b"]" * depth + b"}"
+    response = httpx.post(fuzzed.url + "/v1/completions", content=body, headers={"Content-Type": "application/json"},
+                          timeout=60)
+    assert response.status_code == 400 and "not valid JSON" in response.json()["error"]["message"]
