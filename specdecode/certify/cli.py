@@ -16,7 +16,8 @@ def register(sub) -> None:
     p = sub.add_parser("certify", help="test that speculative sampling is lossless for a model and its speculator",
                        description="Sample with speculation (a fixed K: every step drafts), recompute the target's "
                                    "distribution at every emitted token with a plain float32 forward, and test the "
-                                   "tokens against it (PIT uniformity and mean p(token); see docs/certify.md).")
+                                   "tokens against it (PIT uniformity, mean p(token) and ranks; see docs/certify.md). "
+                                   "The engine runs in float32 unless --dtype names another type.")
     add_model_args(p)
     p.add_argument("--temperature", type=float, default=d.temperature, help=f"(default {d.temperature:g})")
     p.add_argument("--top-p", type=float, default=d.top_p, help=f"(default {d.top_p:g})")
