@@ -233,30 +233,25 @@ def run_soak(url: str, pid: int, config: SoakConfig, request_timeout: float = 60
 
 
 def check_greedy(report: SoakReport, offline) -> None:
-    """Compare every completed greedy answer with offline(endpoint, prompt, max_tokens) -> text."""
-    for (path, prompt, max_tokens), texts in sorted(report.greedy.items()):
-        expected = offline(path, prompt, max_tokens)
+    """Compare every completed greedy answer with offline([(endpoint, prompt, max_tokens), ...]) -> texts."""
+    keys = sorted(report.greedy)
+    for key, expected in zip(keys, offline(keys) if keys else []):
         report.greedy_checked += 1
+        path, prompt, max_tokens = key
         report.mismatches += [f"{path} {prompt!r} max_tokens={max_tokens}: {t!r} != {expected!r}"
-                              for t in texts if t != expected]
+                              for t in report.greedy[key] if t != expected]
 
 
 def offline_generator(llm):
-    """offline(endpoint, prompt, max_tokens): the greedy text LLM.generate gives for the prompt (for chat: for the
-    prompt rendered in the chat template), cached."""
+    """offline(keys): for each (endpoint, prompt, max_tokens), the greedy text LLM.generate gives for the prompt (for
+    chat: for the prompt rendered in the chat template, as the server renders it), all in one batch."""
     from specdecode.sampling import SamplingParams
 
-    cache = {}
-
-    def offline(path: str, prompt: str, max_tokens: int) -> str:
-        key = (path, prompt, max_tokens)
-        if key not in cache:
-            params = SamplingParams(temperature=0, max_tokens=max_tokens)
-            if path.endswith("chat/completions"):  # the server renders the template, then encodes it as text
-                prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-            out = llm.generate(prompt, params)
-            cache[key] = out[0].outputs[0].text
-        return cache[key]
+    def offline(keys: list[tuple[str, str, int]]) -> list[str]:
+        prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+                   if path.endswith("chat/completions") else prompt for path, prompt, _ in keys]
+        params = [SamplingParams(temperature=0, max_tokens=max_tokens) for _, _, max_tokens in keys]
+        return [out.outputs[0].text for out in llm.generate(prompts, params)]
 
     return offline
 
