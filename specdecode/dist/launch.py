@@ -24,7 +24,7 @@ import torch.distributed as dist
 from specdecode.dist.driver import Command, ParallelModel
 from specdecode.dist.group import Group
 from specdecode.dist.tp import TensorParallel, check_divisible, shard_model
-from specdecode.dist.worker import WorkerSpec, worker_main
+from specdecode.dist.worker import WorkerSpec
 from specdecode.errors import ConfigError
 from specdecode.model.loading import load_model, read_config, resolve_device, resolve_dtype
 
