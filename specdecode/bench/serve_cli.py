@@ -80,6 +80,7 @@ def run_serve_bench(args, log=lambda s: print(s, file=sys.stderr)) -> dict:
     tokenizer = Tokenizer(model_dir)
     requests = sharegpt_requests(tokenizer, args.num_requests, args.max_tokens_cap, args.max_prompt_tokens)
     started = time.perf_counter()
+    load_average = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     results = {"settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
                             if k not in ("func", "api_key")},
                "requests": [{"source": r.source, "max_tokens": r.max_tokens} for r in requests], "runs": []}
@@ -116,6 +117,8 @@ def run_serve_bench(args, log=lambda s: print(s, file=sys.stderr)) -> dict:
                     f"{row['output_token_throughput']:.1f} tok/s, TTFT p50 {row['p50_ttft_ms']:.0f} ms, "
                     f"TPOT p50 {row['p50_tpot_ms']:.1f} ms, goodput {row['goodput']:.2f} req/s")
     results["wall_seconds"] = time.perf_counter() - started
+    if load_average is not None:  # other jobs on the machine: the figures' context
+        results["load_average"] = [load_average, os.getloadavg()[0]]
     return results
 
 

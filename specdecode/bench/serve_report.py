@@ -53,7 +53,9 @@ def serve_markdown(results: dict) -> str:
              f"answer's length, at most {s['max_tokens_cap']}), streamed chat completions at temperature "
              f"{s['temperature']:g}, {where}. Bounded at {s['num_requests']} requests and {s['max_seconds']:.0f} s per "
              f"server and load; every server takes its turn at each load. Goodput SLO: TTFT <= {s['slo_ttft_ms']:.0f} "
-             f"ms and TPOT <= {s['slo_tpot_ms']:.0f} ms. Whole run {results['wall_seconds']:.0f} s."
+             f"ms and TPOT <= {s['slo_tpot_ms']:.0f} ms. Whole run {results['wall_seconds']:.0f} s"
+             + (". Load average {:.2f} at the start, {:.2f} at the end.".format(*results["load_average"])
+                if results.get("load_average") else ".")
              + (f" {s['note']}" if s.get("note") else ""),
              serve_table(results["runs"]),
              "TTFT: request sent -> first streamed text; TPOT: (last - first token) / (tokens - 1) per request; ITL: "
