@@ -77,6 +77,8 @@ class BenchConfig:
     """K of every method (None: each method's default); the adaptive controller's upper bound."""
     adaptive: bool = True
     """Methods choose K per step (the default everywhere); False: they always draft K."""
+    fixed_too: bool = False
+    """Also run every method at a fixed K (rows `<method> fixed`) next to its adaptive row."""
     peers: bool = True
     """Also run transformers' generate() (plain, assisted with the draft_model speculator, prompt lookup)."""
     ngram_tokens: int = 10
@@ -206,6 +208,10 @@ def build_engines(config: BenchConfig, log: Callable[[str], None]) -> tuple[dict
         llms[method] = LLM(config.model, dtype=config.dtype, device=config.device,
                            speculative_config=method_config(method, config), **sizes)
         share_target(llms[method], llms["plain"].target)
+    for method in config.methods if config.fixed_too and config.adaptive else ():
+        llms[f"{method} fixed"] = LLM(config.model, dtype=config.dtype, device=config.device,
+                                      speculative_config=method_config(method, config, adaptive=False), **sizes)
+        share_target(llms[f"{method} fixed"], llms["plain"].target)
 
     def ours(llm: LLM) -> Run:
         return lambda ids, n, temperature, seed: trace_generate(

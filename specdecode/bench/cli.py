@@ -74,6 +74,8 @@ def register(sub) -> None:
     p.add_argument("--no-peers", action="store_true", help="skip transformers")
     p.add_argument("--no-adaptive", dest="adaptive", action="store_false",
                    help="the methods always draft K (default: K per step, adaptive)")
+    p.add_argument("--fixed-too", action="store_true",
+                   help="also run every method at its fixed K, next to its adaptive row")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
@@ -133,7 +135,7 @@ def cmd_bench(args) -> int:
     settings = dict(model=args.model, speculators=speculators, out=args.out, dtype=args.dtype, device=args.device,
                     workload_file=args.workload_file, stdlib_workloads=args.stdlib_workloads,
                     categories=tuple(c for c in args.categories.split(",") if c),
-                    peers=not args.no_peers, note=args.note, adaptive=args.adaptive,
+                    peers=not args.no_peers, note=args.note, adaptive=args.adaptive, fixed_too=args.fixed_too,
                     command=shlex.join(["specdecode", *sys.argv[1:]]) if sys.argv[0].endswith("specdecode") else "",
                     **chosen)
     config = BenchConfig.quick(**settings) if args.quick else BenchConfig(**settings)

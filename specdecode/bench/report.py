@@ -54,9 +54,15 @@ def machine_line(results: dict) -> str:
     return line
 
 
+def _label(name: str, labels: dict) -> str:
+    """An engine's label; `<method> fixed` rows (fixed K) are labelled after their method."""
+    base, _, fixed = name.partition(" ")
+    return labels.get(name) or (f"{labels.get(base, base)}, fixed K" if fixed else name)
+
+
 def _engine_cells(name: str, r: dict, labels: dict) -> list[str]:
     speculative = "steps" in r and name != "plain"  # specdecode's speculative engines
-    return [labels.get(name, name), f"{r['tokens_per_s']:.1f}", f"{r['vs_plain']:.2f}x", f"{r['speedup']:.2f}x",
+    return [_label(name, labels), f"{r['tokens_per_s']:.1f}", f"{r['vs_plain']:.2f}x", f"{r['speedup']:.2f}x",
             f"{r['mean_accepted_len']:.2f}" if speculative else "-",
             _pct(r["acceptance_rate"]) if speculative else "-",  # None: nothing was drafted
             f"{_pct(r['draft_share'])} / {_pct(r['verify_share'])} / {_pct(r['other_share'])}"
@@ -88,7 +94,7 @@ def category_matrix(table: dict[str, dict[str, dict]], labels: dict, key: str = 
             value = table[c][name].get(key)
             cells.append("-" if value is None or (key == "mean_accepted_len" and "steps" not in table[c][name])
                          else fmt.format(value))
-        lines.append(f"| {labels.get(name, name)} | " + " | ".join(cells) + " |")
+        lines.append(f"| {_label(name, labels)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -98,7 +104,7 @@ def cost_table(rows: dict[str, dict], labels: dict) -> str:
     plain = rows["plain"].get("cpu_s_per_million_tokens")
     for name, r in rows.items():
         if "tokens_per_cpu_s" in r:
-            lines.append(f"| {labels.get(name, name)} | {r['tokens_per_cpu_s']:.1f} | "
+            lines.append(f"| {_label(name, labels)} | {r['tokens_per_cpu_s']:.1f} | "
                          f"{r['cpu_s_per_million_tokens']:,.0f} | {plain / r['cpu_s_per_million_tokens']:.2f}x |")
     return "\n".join(lines)
 
@@ -153,7 +159,7 @@ def plot_speedup(results: dict, path: Path) -> None:
         width = 0.8 / max(1, len(engines))
         for i, name in enumerate(engines):
             xs = [j + (i - (len(engines) - 1) / 2) * width for j in range(len(categories))]
-            ax.bar(xs, [table[c][name]["vs_plain"] for c in categories], width, label=labels.get(name, name),
+            ax.bar(xs, [table[c][name]["vs_plain"] for c in categories], width, label=_label(name, labels),
                    hatch="//" if name.startswith("hf_") else None)
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xticks(range(len(categories)), categories)
@@ -201,11 +207,12 @@ def plot_accepted(results: dict, path: Path) -> None:
         counts = r["accepted_len_counts"]
         total = sum(counts)
         xs = [n + (i - (len(rows) - 1) / 2) * width for n in range(len(counts))]
-        ax.bar(xs, [c / total for c in counts], width, label=labels.get(name, name))
+        ax.bar(xs, [c / total for c in counts], width, label=_label(name, labels))
     ax.set_xlabel("draft tokens accepted in a drafting step")
     ax.set_ylabel("share of drafting steps")
     ax.set_title(f"Accepted length, all categories, {next(iter(results['per_request']))}")
-    ax.legend(fontsize=7)
+    if rows:  # none when nothing drafted (adaptive engines on a machine where drafting never pays)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -140,3 +140,18 @@ def test_stdlib_workloads_are_raw_prompts(tiny_models):
         assert 1 <= len(ps) <= 2
         for p in ps:
             assert p.messages == [] and p.token_ids(tokenizer) == tokenizer.encode(p.text)
+
+
+def test_fixed_too_adds_a_fixed_k_row_per_method(tiny_models, tmp_path):
+    from specdecode.bench.report import _label
+
+    workload = tmp_path / "workload.json"
+    workload.write_text(json.dumps(WORKLOADS))
+    assert main(["bench", "--model", str(tiny_models["target"]), "--workload-file", str(workload), "--methods",
+                 "ngram", "--fixed-too", "--no-peers", "--no-sweep", "--temperatures", "0", "--prompts", "1",
+                 "--max-tokens", "4", "--max-prompt-tokens", "200", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["per_request"]["T=0"]["all"]
+    assert list(rows) == ["plain", "ngram", "ngram fixed"]
+    assert rows["ngram fixed"]["same_as_plain"] == rows["ngram fixed"]["prompts"] == 2
+    assert "| prompt lookup, fixed K |" in (tmp_path / "report.md").read_text()
+    assert _label("ngram fixed", {"ngram": "prompt lookup"}) == "prompt lookup, fixed K"
