@@ -143,8 +143,9 @@ class SpecController:
         self.realised: dict[str, list[float]] = {}
         self.plain_wall: dict[int, float] = {}
         self.steps_since_draft = 0
-        # Plain steps before the next probe: doubles after each probe that had nothing accepted, so a speculator
-        # that never pays (T=1 on a weak draft, say) costs a probe per ever longer stretch, not one per 16 steps.
+        # Plain steps before the next probe: doubles after each probe that gave fewer tokens per second than a plain
+        # step, so a speculator that never pays (T=1 on a weak draft, a batch too wide to verify cheaply) costs a probe
+        # per ever longer stretch, not one per 16 steps; a drafting step that pays brings it back.
         self.probe_interval = self.probe_every
         self.probing = False
 
@@ -232,10 +233,13 @@ class SpecController:
         self.costs.observe(len(seqs), verified_k, k, report.draft_time, report.verify_time, wall_time)
         drafting = any(report.draft_lens)
         self.steps_since_draft = 0 if drafting else self.steps_since_draft + 1
-        if any(report.accepted_lens):
-            self.probe_interval = self.probe_every
-        elif drafting and self.probing:
-            self.probe_interval = min(2 * self.probe_interval, MAX_PROBE_INTERVAL)
+        if drafting:
+            b = len(seqs)
+            plain = self.plain_wall.get(b) or self.costs.step_time(b, 0)
+            if (b + sum(report.accepted_lens)) * plain >= b * wall_time:  # tokens per second at least plain's
+                self.probe_interval = self.probe_every
+            elif self.probing:
+                self.probe_interval = min(2 * self.probe_interval, MAX_PROBE_INTERVAL)
         self.probing = False
         if report.width == 1:  # a plain step: what drafting has to beat
             b, plain = len(seqs), self.plain_wall.get(len(seqs))

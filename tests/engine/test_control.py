@@ -153,7 +153,8 @@ def test_low_acceptance_turns_speculation_off_then_probes():
 
 def test_failed_probes_back_off():
     """Once speculation is off, a speculator whose drafts are never accepted is probed after 8, 16, 32, ... plain
-    steps, not every 8; one accepted draft brings the interval back to 8."""
+    steps, not every 8; a drafting step faster than plain ones brings the interval back to 8, one accepted draft
+    that does not pay for its wider pass does not."""
     controller = SpecController(synthetic_costs(), MAX_K, probe_every=8)
     seqs = seqs_of(1)
     feed(controller, seqs, k=3, accept_prob=0.0, steps=60, rng=random.Random(1))
@@ -167,6 +168,10 @@ def test_failed_probes_back_off():
     assert 3 <= len(drafted) <= 7, drafted  # without backing off: a probe every 9 steps, 44 of them
     assert gaps == sorted(gaps) and gaps[-1] >= 4 * gaps[0]
 
+    interval = controller.probe_interval
+    controller.probing = True
+    controller.observe(seqs, 1, StepReport(2, 0.001, 0.01, [1], [1]), wall_time=0.025)  # 2 tokens in 2.5 plain steps
+    assert controller.probe_interval == 2 * interval
     controller.observe(seqs, 1, StepReport(2, 0.001, 0.01, [1], [1]), wall_time=0.0111)
     assert controller.probe_interval == 8
 
