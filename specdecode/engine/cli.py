@@ -13,7 +13,7 @@ from pathlib import Path
 from specdecode.dist.flags import add_scaleout_args, scaleout_kwargs
 from specdecode.errors import ConfigError
 from specdecode.models.registry import (DEFAULT_MODEL, MODELS, default_speculative_config, model_name,
-                                        resolve_model)
+                                        resolve_model, shipped_speculator)
 from specdecode.spec.config import METHODS, TREE_METHODS, with_shipped_speculator
 
 
@@ -110,7 +110,7 @@ def speculative_config(args, default: dict | None = None) -> dict | None:
             config["model"] = str(args.speculative_model)
         elif default_draft is not None:
             config["model"] = default_draft
-        else:
+        elif shipped_speculator(getattr(args, "model", None), "draft_model") is None:  # (else resolve_models adds it)
             raise ConfigError("--speculative-method draft_model needs --speculative-model DIR (a draft "
                               "checkpoint with the target's tokenizer)")
         if args.num_drafts is not None:

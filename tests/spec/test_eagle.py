@@ -205,3 +205,8 @@ def test_cli_flags_name_the_speculator(one_layer, monkeypatch):
     assert config == {"method": "eagle", "model": str(Path(registry.__file__).parent / "smollm2" / "eagle")}
     _, config, _ = resolve_models(parser.parse_args(["--speculative-method", "medusa"]))
     assert config == {"method": "medusa"}  # none shipped: building the proposer asks for --speculative-model
+    with pytest.raises(ConfigError, match="needs --speculative-model"):  # no draft shipped: said at once
+        resolve_models(parser.parse_args(["--speculative-method", "draft_model"]))
+    monkeypatch.setitem(registry.SHIPPED_SPECULATORS, registry.DEFAULT_MODEL, {"draft_model": "smollm2/draft"})
+    _, config, _ = resolve_models(parser.parse_args(["--speculative-method", "draft_model"]))
+    assert config == {"method": "draft_model", "model": str(Path(registry.__file__).parent / "smollm2" / "draft")}
