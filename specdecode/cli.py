@@ -4,11 +4,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from specdecode.argtypes import OneLineParser
 from specdecode.errors import SpecdecodeError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specdecode", description="Lossless speculative decoding for LLMs.")
+    parser = OneLineParser(prog="specdecode", description="Lossless speculative decoding for LLMs.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     from specdecode import commands
 

@@ -40,3 +40,25 @@ def cpu_has_native_bf16(flags: frozenset[str] | None = None) -> bool:
 
     flags = cpu_flags() if flags is None else flags
     return bool(flags & set(NATIVE_BF16_FLAGS)) and torch.backends.mkldnn.is_available()
+
+
+def available_memory() -> int | None:
+    """Bytes of memory this process could still take now: the kernel's MemAvailable, capped by the cgroup's
+    limit where one is set (a container). None where neither can be read (e.g. macOS)."""
+    available = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+                break
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+            room = max(0, int(limit) - used)
+            available = room if available is None else min(available, room)
+    except (OSError, ValueError):
+        pass
+    return available

@@ -14,14 +14,15 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
+from specdecode.argtypes import GIB, MAX_NUM_SEQS, float_range, int_range
 from specdecode.dist.flags import GiB
 from specdecode.errors import ConfigError
 from specdecode.model.config import ModelConfig
-from specdecode.model.linear import resolve_backend
-from specdecode.model.loading import read_config, resolve_device, resolve_dtype
+
+if TYPE_CHECKING:  # torch and the loader are imported where they are used: `specdecode --help` imports this module
+    import torch
 
 DEFAULT_HEADROOM = 0.15
 """Fraction of the budget never planned for (the seeds' advice: keep 15-20%)."""
@@ -148,6 +149,8 @@ def head_memory(folder: Path, target: ModelConfig, itemsize: int, kv_itemsize: i
                 extra_positions: int) -> Memory:
     """EAGLE or Medusa heads: their stored weights, the output rows they copy from the target (draft vocabulary
     x hidden), and (EAGLE) one decoder layer's KV cache."""
+    import torch
+
     shapes = _safetensors_shapes(folder / "model.safetensors")
     draft_vocab = shapes.pop("draft_to_target")[0]
     stored = sum(torch.Size(s).numel() for s in shapes.values())
@@ -165,6 +168,8 @@ def plan_memory(model_dir: str | Path, budget: int, max_model_len: int | None, m
                 headroom: float = DEFAULT_HEADROOM, quantization: str | None = None) -> MemoryPlan:
     """The plan of a configuration (speculative: a parsed SpeculativeConfig or None)."""
     from specdecode.dist.tp import check_divisible
+    from specdecode.model.linear import resolve_backend
+    from specdecode.model.loading import read_config, resolve_device, resolve_dtype
 
     if not 0.0 <= headroom < 1.0:
         raise ConfigError(f"headroom must be in [0, 1), got {headroom}")
@@ -198,6 +203,8 @@ def plan_memory(model_dir: str | Path, budget: int, max_model_len: int | None, m
 def memory_budget_bytes(device: torch.device, memory_budget: int | None,
                         gpu_memory_utilization: float | None) -> int | None:
     """Bytes per rank the engine may plan for: memory_budget as given, or a fraction of a CUDA device's memory."""
+    import torch
+
     if memory_budget is not None and gpu_memory_utilization is not None:
         raise ConfigError("give memory_budget or gpu_memory_utilization, not both")
     if gpu_memory_utilization is None:
@@ -214,6 +221,8 @@ def memory_budget_bytes(device: torch.device, memory_budget: int | None,
 
 def module_bytes(*modules) -> int:
     """Bytes the modules hold: distinct parameter and buffer storages, plus packed linear copies."""
+    import torch
+
     from specdecode.model.linear import PackedLinear
 
     seen, total = set(), 0  # storages and modules shared between the modules are counted once
@@ -233,6 +242,20 @@ def cache_bytes(cache) -> int:
     return sum(t.numel() * t.element_size() for t in [*cache.k, *cache.v])
 
 
+def device_memory(device: torch.device) -> int:
+    """Bytes a plan may assume by default: a CUDA device's total memory, or the memory available now on a CPU."""
+    import torch
+
+    from specdecode.hardware import available_memory
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    available = available_memory()
+    if available is None:
+        raise ConfigError("cannot read how much memory this machine has; give --device-memory GiB")
+    return available
+
+
 def register(sub) -> None:
     from specdecode.engine.cli import add_model_args
 
@@ -241,22 +264,25 @@ def register(sub) -> None:
                                    "activations, the headroom left and the largest batch that fits DEVICE_MEMORY; "
                                    "exit with status 1 if the configuration does not fit.")
     add_model_args(p)
-    p.add_argument("--max-model-len", type=int, default=None, help="positions per sequence (default: the model's)")
-    p.add_argument("--max-num-seqs", type=int, default=32, help="sequences decoded at once (default 32)")
-    p.add_argument("--device-memory", type=float, required=True, metavar="GiB", help="memory per device (rank)")
-    p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks the target is sharded over")
-    p.add_argument("--headroom", type=float, default=DEFAULT_HEADROOM,
+    p.add_argument("--max-model-len", type=int_range(2), default=None, help="positions per sequence (default: the model's)")
+    p.add_argument("--max-num-seqs", type=MAX_NUM_SEQS, default=32, help="sequences decoded at once (default 32)")
+    p.add_argument("--device-memory", type=GIB, default=None, metavar="GiB",
+                   help="memory per device (rank) (default: a CUDA device's total memory; on a CPU, the memory "
+                        "available now)")
+    p.add_argument("--tensor-parallel-size", type=int_range(1, 1024), default=1, help="ranks the target is sharded over")
+    p.add_argument("--headroom", type=float_range(0.0, 1.0, hi_open=True), default=DEFAULT_HEADROOM,
                    help=f"fraction of the memory never planned for (default {DEFAULT_HEADROOM})")
     p.set_defaults(func=cmd_plan, compare=False)
 
 
 def cmd_plan(args) -> int:
     from specdecode.engine.cli import resolve_models
+    from specdecode.model.loading import resolve_device
     from specdecode.spec.config import SpeculativeConfig
 
-    if args.max_num_seqs < 1:
-        raise ConfigError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
     model_dir, config, name = resolve_models(args)
+    if args.device_memory is None:
+        args.device_memory = device_memory(resolve_device(args.device)) / GiB
     plan = plan_memory(model_dir, int(args.device_memory * GiB), args.max_model_len, args.max_num_seqs,
                        SpeculativeConfig.parse(config), args.dtype, args.device, args.tensor_parallel_size,
                        args.headroom)

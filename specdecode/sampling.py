@@ -36,9 +36,15 @@ class SamplingParams:
     max_tokens: int = 16
     """Most tokens to generate."""
     stop: list[str] | str | None = None
-    """Strings that end generation; the stop string itself is not returned."""
+    """Strings that end generation; the stop string itself is not returned, and token_ids end at the token that
+    completed it. While streaming, the last len(longest stop) - 1 characters wait until they cannot begin one."""
     seed: int | None = None
-    """Seed of this request's random generator (same seed, same output)."""
+    """Seed of this request's random numbers (None: a fresh one). The same seed gives the same output alone or in
+    any batch (same model, dtype and machine; up to float rounding in batched matrix products) with plain decoding
+    (no speculator, or use_speculation=False) and with speculation at a fixed K ({"adaptive": False} and no
+    disable_by_batch_size). Adaptive K, the default when speculating, drafts per step what the measured costs and
+    the rest of the batch say pays, and different drafts can change which tokens a sampled request gets: its
+    output keeps the same distribution, but the same seed need not give the same text. Greedy ignores it."""
     ignore_eos: bool = False
     """Keep generating after an end-of-sequence token (benchmarks use it for fixed-length outputs)."""
     use_speculation: bool = True

@@ -4,9 +4,11 @@ specdecode.bench.serve_cli."""
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from specdecode.errors import CheckpointError, ConfigError
+from specdecode.argtypes import POSITIVE, SPECULATIVE_TOKENS, THREADS, TOKENS, int_range
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -60,24 +62,25 @@ def register(sub) -> None:
     p.add_argument("--methods", default=None,
                    help="comma-separated speculative methods (default: all this model has speculators for: "
                         "draft_model, eagle, medusa, ngram, lookahead, rest)")
-    p.add_argument("--prompts", type=int, default=None, help="prompts per category (default 8)")
-    p.add_argument("--max-tokens", type=int, default=None, help="most tokens per request (default 128)")
-    p.add_argument("--max-prompt-tokens", type=int, default=None, help="skip longer prompts (default 768)")
+    p.add_argument("--prompts", type=POSITIVE, default=None, help="prompts per category (default 8)")
+    p.add_argument("--max-tokens", type=TOKENS, default=None, help="most tokens per request (default 128)")
+    p.add_argument("--max-prompt-tokens", type=POSITIVE, default=None, help="skip longer prompts (default 768)")
     p.add_argument("--temperatures", type=_floats, default=None, help="per-request tables (default 0,1)")
-    p.add_argument("--num-speculative-tokens", type=int, default=None, help="K of every method (default: its own)")
+    p.add_argument("--num-speculative-tokens", type=SPECULATIVE_TOKENS, default=None, help="K of every method (default: its own)")
     p.add_argument("--batch-sizes", type=_ints, default=None, help="batch sweep sizes (default 1,2,4,8,16,32,64)")
     p.add_argument("--sweep-ks", type=_ints, default=None, help="fixed K of the batch sweep (default 1,2,3,4,5)")
     p.add_argument("--sweep-method", default=None, help="speculative method of the batch sweep (default ngram)")
-    p.add_argument("--sweep-max-tokens", type=int, default=None, help="tokens per sweep request (default 64)")
-    p.add_argument("--sweep-repeats", type=int, default=None, help="runs per sweep point, fastest counts (default 3)")
+    p.add_argument("--sweep-max-tokens", type=TOKENS, default=None, help="tokens per sweep request (default 64)")
+    p.add_argument("--sweep-repeats", type=int_range(1, 100), default=None, help="runs per sweep point, fastest counts (default 3)")
     p.add_argument("--no-sweep", action="store_true", help="skip the batch-size sweep")
     p.add_argument("--no-peers", action="store_true", help="skip transformers")
     p.add_argument("--no-adaptive", dest="adaptive", action="store_false",
                    help="the methods always draft K (default: K per step, adaptive)")
     p.add_argument("--fixed-too", action="store_true",
                    help="also run every method at its fixed K, next to its adaptive row")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
+    p.add_argument("--threads", type=THREADS, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="float32 (default: greedy outputs of every engine are then identical), bfloat16 or float16")
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
     p.add_argument("--note", default="", help="free text for the report, e.g. what else ran on the machine")
     p.add_argument("--speed", action="store_true",
@@ -104,9 +107,19 @@ def _checkpoints(args) -> tuple[Path, Path | None]:
     return resolve_model(args.model), draft and Path(draft)
 
 
+def peers_installed() -> bool:
+    """Whether transformers (the peers' engine) can be imported; if not, say once how to get it."""
+    import importlib.util
+
+    missing = [name for name in ("transformers", "accelerate") if importlib.util.find_spec(name) is None]
+    if missing:
+        print(f"specdecode bench: {' and '.join(missing)} not installed, so the transformers peers are skipped "
+              "(pip install -e '.[peers]' adds them; --no-peers silences this)", file=sys.stderr, flush=True)
+    return not missing
+
+
 def cmd_bench(args) -> int:
     import shlex
-    import sys
 
     import torch
 
@@ -114,9 +127,9 @@ def cmd_bench(args) -> int:
     from specdecode.bench.report import write_report
 
     if args.threads is not None:
-        if args.threads < 1:
-            raise ConfigError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
+    if not args.no_peers and not peers_installed():
+        args.no_peers = True
     if args.speed:
         return cmd_speed(args)
     _, draft = _checkpoints(args)  # fails early on a missing target or draft

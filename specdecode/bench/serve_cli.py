@@ -12,6 +12,8 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
+from specdecode.argtypes import (MAX_NUM_SEQS, POSITIVE, SECONDS, SEED, SPECULATIVE_TOKENS, TEMPERATURE, THREADS,
+                                 TOKENS)
 from specdecode.errors import ConfigError
 
 
@@ -36,19 +38,19 @@ def register_serve(sub) -> None:
                                                  "(default smollm2-135m-instruct)")
     p.add_argument("--modes", default="off,fixed,adaptive", help="our servers: comma-separated off, fixed, adaptive")
     p.add_argument("--speculative-method", default="ngram", help="method of the fixed and adaptive servers")
-    p.add_argument("--num-speculative-tokens", type=int, default=5, help="K of the fixed server (adaptive: the most)")
-    p.add_argument("--max-num-seqs", type=int, default=16, help="our servers' --max-num-seqs (default 16)")
+    p.add_argument("--num-speculative-tokens", type=SPECULATIVE_TOKENS, default=5, help="K of the fixed server (adaptive: the most)")
+    p.add_argument("--max-num-seqs", type=MAX_NUM_SEQS, default=16, help="our servers' --max-num-seqs (default 16)")
     p.add_argument("--rates", type=_floats, default=(1.0,), help="requests/s, Poisson; inf = all at once (default 1)")
-    p.add_argument("--concurrency", type=int, default=None, help="a closed loop of this many requests instead")
-    p.add_argument("--num-requests", type=int, default=32, help="requests per server and load (default 32)")
-    p.add_argument("--max-seconds", type=float, default=300.0, help="bound per server and load (default 300)")
-    p.add_argument("--max-tokens-cap", type=int, default=256, help="cap on max_tokens (default 256)")
-    p.add_argument("--max-prompt-tokens", type=int, default=768, help="skip longer prompts (default 768)")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput SLO on TTFT (default 2000)")
-    p.add_argument("--slo-tpot-ms", type=float, default=100.0, help="goodput SLO on TPOT (default 100)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads of each server (default 1)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the arrival times")
+    p.add_argument("--concurrency", type=POSITIVE, default=None, help="a closed loop of this many requests instead")
+    p.add_argument("--num-requests", type=POSITIVE, default=32, help="requests per server and load (default 32)")
+    p.add_argument("--max-seconds", type=SECONDS, default=300.0, help="bound per server and load (default 300)")
+    p.add_argument("--max-tokens-cap", type=TOKENS, default=256, help="cap on max_tokens (default 256)")
+    p.add_argument("--max-prompt-tokens", type=POSITIVE, default=768, help="skip longer prompts (default 768)")
+    p.add_argument("--temperature", type=TEMPERATURE, default=0.0)
+    p.add_argument("--slo-ttft-ms", type=SECONDS, default=2000.0, help="goodput SLO on TTFT (default 2000)")
+    p.add_argument("--slo-tpot-ms", type=SECONDS, default=100.0, help="goodput SLO on TPOT (default 100)")
+    p.add_argument("--threads", type=THREADS, default=1, help="torch threads of each server (default 1)")
+    p.add_argument("--seed", type=SEED, default=0, help="seed of the arrival times")
     p.add_argument("--note", default="", help="free text for the report")
     p.add_argument("--out", type=Path, default=Path("bench_results"), help="output folder (default bench_results)")
     p.set_defaults(func=cmd_bench_serve)

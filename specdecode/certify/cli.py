@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from specdecode.argtypes import MAX_NUM_SEQS, PROBABILITY, SEED, TOKENS, float_range, int_range
 from specdecode.certify.prompts import SOURCES
 from specdecode.certify.run import DEFAULT_SAMPLES, CertifyConfig
 
@@ -19,18 +20,18 @@ def register(sub) -> None:
                                    "tokens against it (PIT uniformity, mean p(token) and ranks; see docs/certify.md). "
                                    "The engine runs in float32 unless --dtype names another type.")
     add_model_args(p)
-    p.add_argument("--temperature", type=float, default=d.temperature, help=f"(default {d.temperature:g})")
-    p.add_argument("--top-p", type=float, default=d.top_p, help=f"(default {d.top_p:g})")
-    p.add_argument("--top-k", type=int, default=d.top_k, help="0 = off (default)")
-    p.add_argument("--samples", type=int, default=DEFAULT_SAMPLES,
+    p.add_argument("--temperature", type=float_range(0.0, 100.0, lo_open=True), default=d.temperature, help=f"(default {d.temperature:g})")
+    p.add_argument("--top-p", type=PROBABILITY, default=d.top_p, help=f"(default {d.top_p:g})")
+    p.add_argument("--top-k", type=int_range(0), default=d.top_k, help="0 = off (default)")
+    p.add_argument("--samples", type=int_range(16, 10_000_000), default=DEFAULT_SAMPLES,
                    help=f"emitted tokens to test (default {DEFAULT_SAMPLES})")
-    p.add_argument("--max-tokens", type=int, default=d.max_tokens, help=f"tokens per request (default {d.max_tokens})")
+    p.add_argument("--max-tokens", type=TOKENS, default=d.max_tokens, help=f"tokens per request (default {d.max_tokens})")
     p.add_argument("--prompts", choices=SOURCES, default=d.prompts,
                    help="auto (default): held-out ShareGPT first turns if the data set is downloaded, else a built-in "
                         "set; sharegpt downloads it if needed")
-    p.add_argument("--seed", type=int, default=d.seed, help=f"(default {d.seed})")
-    p.add_argument("--alpha", type=float, default=d.alpha, help=f"fail below this p-value (default {d.alpha:g})")
-    p.add_argument("--max-num-seqs", type=int, default=16, help="requests sampled at once (default 16)")
+    p.add_argument("--seed", type=SEED, default=d.seed, help=f"(default {d.seed})")
+    p.add_argument("--alpha", type=float_range(0.0, 1.0, lo_open=True, hi_open=True), default=d.alpha, help=f"fail below this p-value (default {d.alpha:g})")
+    p.add_argument("--max-num-seqs", type=MAX_NUM_SEQS, default=16, help="requests sampled at once (default 16)")
     p.add_argument("--json", type=Path, default=None, help="write the report here")
     p.set_defaults(func=cmd_certify, compare=False, adaptive=False)
 

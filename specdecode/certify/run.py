@@ -8,14 +8,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from typing import TYPE_CHECKING
 
-import numpy as np
-import torch
-
-from specdecode.certify.prompts import prompt_ids, prompt_texts
-from specdecode.certify.stats import PositionStats, Verdict, position_stats, verdict
 from specdecode.errors import ConfigError
-from specdecode.sampling import SamplingParams, params_tensors, processed_probs
+
+if TYPE_CHECKING:  # imported where they are used: `specdecode --help` reads CertifyConfig's defaults
+    import torch
+
+    from specdecode.certify.stats import PositionStats, Verdict
+    from specdecode.sampling import SamplingParams
 
 DEFAULT_SAMPLES = 4096
 """Emitted tokens tested by default: enough that each broken verifier of tests/certify fails with p < 1e-6 (docs/
@@ -49,6 +50,8 @@ class CertifyConfig:
     """Prompts are cut to their last this many tokens."""
 
     def __post_init__(self):
+        from specdecode.sampling import SamplingParams
+
         if self.temperature <= 0:
             raise ConfigError("certify tests sampling: give --temperature > 0 (greedy speculation is checked by "
                               "comparing with plain greedy decoding)")
@@ -108,6 +111,13 @@ class CertifyReport:
 def certify(llm, config: CertifyConfig, reference=None) -> CertifyReport:
     """Sample config.samples tokens from `llm` (its speculative config as given) and test them against `reference`
     (default: the llm's own target weights when float32, else the checkpoint loaded again in float32)."""
+    import numpy as np
+    import torch
+
+    from specdecode.certify.prompts import prompt_ids, prompt_texts
+    from specdecode.certify.stats import PositionStats, verdict
+    from specdecode.sampling import SamplingParams
+
     texts, source = prompt_texts(config.prompts, config.num_prompts)
     prompts = prompt_ids(llm.tokenizer, texts, min(config.max_prompt_tokens, llm.max_model_len - config.max_tokens - 1))
     requests = math.ceil(config.samples / config.max_tokens)
@@ -145,29 +155,34 @@ def _float32_target(llm):
     return load_model(llm.model_dir, dtype="float32", device=llm.device)
 
 
-@torch.inference_mode()
 def _recompute(reference, prompt: list[int], answers: list[list[int]], params: SamplingParams,
                generator: torch.Generator) -> list[PositionStats]:
     """The reference's processed distribution before each generated token of each answer to one prompt (the prompt
     through the cache once, then each answer causally after it: the same numbers as one forward over prompt +
     answer), and the tests' per-position statistics."""
-    device = reference.device
-    cache = reference.make_cache(1, len(prompt) + max(map(len, answers)))
-    slot = torch.tensor([0])
-    out = reference(torch.tensor([prompt], device=device), cache=cache, slots=slot, compute_logits=False)
-    last = out.hidden[0, -1:]  # [1, D]: predicts each answer's first token
-    cache.advance(slot, len(prompt))
-    parts = []
-    for answer in answers:
-        # The cache's length stays at the prompt: each answer overwrites the one before.
-        if len(answer) > 1:
-            hidden = reference(torch.tensor([answer[:-1]], device=device), cache=cache, slots=slot,
-                               compute_logits=False).hidden[0]  # [G - 1, D]
-            hidden = torch.cat([last, hidden])
-        else:
-            hidden = last
-        logits = reference.lm_head(hidden).float()  # [G, V]
-        G = len(answer)
-        p = processed_probs(logits, *params_tensors([params], [G], device=logits.device)).cpu()  # [G, V]
-        parts.append(position_stats(p, torch.tensor(answer), generator))
-    return parts
+    import torch
+
+    from specdecode.certify.stats import position_stats
+    from specdecode.sampling import params_tensors, processed_probs
+
+    with torch.inference_mode():
+        device = reference.device
+        cache = reference.make_cache(1, len(prompt) + max(map(len, answers)))
+        slot = torch.tensor([0])
+        out = reference(torch.tensor([prompt], device=device), cache=cache, slots=slot, compute_logits=False)
+        last = out.hidden[0, -1:]  # [1, D]: predicts each answer's first token
+        cache.advance(slot, len(prompt))
+        parts = []
+        for answer in answers:
+            # The cache's length stays at the prompt: each answer overwrites the one before.
+            if len(answer) > 1:
+                hidden = reference(torch.tensor([answer[:-1]], device=device), cache=cache, slots=slot,
+                                   compute_logits=False).hidden[0]  # [G - 1, D]
+                hidden = torch.cat([last, hidden])
+            else:
+                hidden = last
+            logits = reference.lm_head(hidden).float()  # [G, V]
+            G = len(answer)
+            p = processed_probs(logits, *params_tensors([params], [G], device=logits.device)).cpu()  # [G, V]
+            parts.append(position_stats(p, torch.tensor(answer), generator))
+        return parts

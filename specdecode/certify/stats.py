@@ -14,7 +14,6 @@ import math
 
 import numpy as np
 import torch
-from scipy import stats as scipy_stats
 
 
 @dataclasses.dataclass
@@ -107,6 +106,8 @@ logit between the engine's pass and the reference's); more fail the run outright
 
 
 def verdict(s: PositionStats, alpha: float = 1e-3) -> Verdict:
+    from scipy import stats as scipy_stats  # here, not at the top: scipy takes ~1 s to import
+
     if len(s) < 2:
         raise ValueError("certify needs at least two emitted tokens")
     ks = scipy_stats.kstest(s.pit, "uniform")
@@ -127,6 +128,8 @@ def rank_test(s: PositionStats) -> tuple[float, float, list[int], list[float]]:
     """Emitted tokens counted by rank category against the expected counts sum_i pi_i. Each position adds a one-hot
     draw from its own pi_i, so under the null O - E is a sum of independent increments with covariance
     sum_i diag(pi_i) - pi_i pi_i^T; (O - E) C^-1 (O - E) over all categories but one is chi-square."""
+    from scipy import stats as scipy_stats
+
     R = s.top.shape[1]
     pi = np.concatenate([s.top, np.clip(1.0 - s.top.sum(1, keepdims=True), 0.0, None)], axis=1)  # [N, R + 1]
     category = np.minimum(s.rank, R)

@@ -2,6 +2,8 @@
 no torch imports here: the command line starts fast."""
 from __future__ import annotations
 
+from specdecode.argtypes import GIB, PROBABILITY, float_range, int_range
+
 GiB = 1024 ** 3
 
 
@@ -9,14 +11,14 @@ def add_scaleout_args(p) -> None:
     """--tensor-parallel-size, --draft-tensor-parallel-size, --memory-budget, --gpu-memory-utilization (generate,
     serve)."""
     group = p.add_argument_group("scale-out and memory")
-    group.add_argument("--tensor-parallel-size", type=int, default=1,
+    group.add_argument("--tensor-parallel-size", type=int_range(1, 1024), default=1,
                        help="shard the target's heads and MLP over N processes (gloo on CPU, NCCL on N GPUs)")
-    group.add_argument("--draft-tensor-parallel-size", type=int, default=None,
+    group.add_argument("--draft-tensor-parallel-size", type=int_range(1, 1), default=None,
                        help="1 (default): the draft model or heads run whole on rank 0")
-    group.add_argument("--memory-budget", type=float, default=None, metavar="GiB",
+    group.add_argument("--memory-budget", type=GIB, default=None, metavar="GiB",
                        help="memory per rank to plan for (CPU): the batch is sized to fit, start-up refuses "
                             "what cannot (see `specdecode plan`)")
-    group.add_argument("--gpu-memory-utilization", type=float, default=None,
+    group.add_argument("--gpu-memory-utilization", type=PROBABILITY, default=None,
                        help="fraction of each CUDA device's memory to plan for (as --memory-budget)")
 
 
@@ -31,14 +33,14 @@ def scaleout_kwargs(args) -> dict:
 def add_replica_args(p) -> None:
     """Ray Serve replicas of `serve` (the [ray] extra)."""
     group = p.add_argument_group("replicas on Ray Serve (pip install -e '.[ray]')")
-    group.add_argument("--replicas", type=int, default=None,
+    group.add_argument("--replicas", type=int_range(1, 1024), default=None,
                        help="serve N replicas of the engine behind Ray Serve's HTTP proxy (same routes)")
-    group.add_argument("--min-replicas", type=int, default=None, help="autoscale between this ...")
-    group.add_argument("--max-replicas", type=int, default=None, help="... and this many replicas")
-    group.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves per replica (default 1)")
-    group.add_argument("--replica-gpus", type=float, default=0.0,
+    group.add_argument("--min-replicas", type=int_range(0, 1024), default=None, help="autoscale between this ...")
+    group.add_argument("--max-replicas", type=int_range(1, 1024), default=None, help="... and this many replicas")
+    group.add_argument("--replica-cpus", type=float_range(0.0, 4096.0), default=1.0, help="CPUs Ray reserves per replica (default 1)")
+    group.add_argument("--replica-gpus", type=float_range(0.0, 64.0), default=0.0,
                        help="GPUs per replica (default 0; its --tensor-parallel-size on GPUs)")
-    group.add_argument("--graceful-shutdown-timeout", type=float, default=30.0,
+    group.add_argument("--graceful-shutdown-timeout", type=float_range(0.0, 86400.0), default=30.0,
                        help="seconds a stopping replica may finish its requests (default 30)")
     group.add_argument("--ray-address", default=None,
                        help="Ray cluster to join (default: RAY_ADDRESS, else a local one started here)")

@@ -51,9 +51,10 @@ class StreamDelta:
     """New output of one request."""
 
     text: str
-    """Text added since the last delta."""
+    """Text added since the last delta (while stop strings are set, the last characters wait until they cannot begin
+    one, so text may lag token_ids; the final delta brings the rest)."""
     token_ids: list[int]
-    """Token ids added since the last delta."""
+    """Token ids added since the last delta (after a stop string, up to the token that completed it)."""
     finish_reason: str | None
     """None while running, then "stop" or "length"."""
     prompt_tokens: int

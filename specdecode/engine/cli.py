@@ -6,10 +6,13 @@ prompt and prints the speedup. The model and speculative flags are shared with `
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import time
 from pathlib import Path
 
+from specdecode.argtypes import (SEED, SPECULATIVE_TOKENS, TEMPERATURE, THREADS, TOKENS, existing_path, float_range,
+                                 int_range)
 from specdecode.dist.flags import add_scaleout_args, scaleout_kwargs
 from specdecode.errors import ConfigError
 from specdecode.models.registry import (DEFAULT_MODEL, MODELS, default_speculative_config, model_name,
@@ -22,25 +25,53 @@ def add_model_args(p) -> None:
     p.add_argument("--model", default=None,
                    help=f"a model name ({', '.join(MODELS)}; fetched on first use), a .gguf file, or a Hugging Face "
                         f"checkpoint directory (default: {DEFAULT_MODEL})")
-    p.add_argument("--dtype", default="auto", help="auto (default), float32, bfloat16 or float16")
-    p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
-    p.add_argument("--threads", type=int, default=None,
+    add_device_args(p)
+    p.add_argument("--threads", type=THREADS, default=None,
                    help="CPU threads for torch (default: torch's choice; 1 is faster on a busy machine)")
     spec = p.add_argument_group("speculative decoding")
     spec.add_argument("--speculative-method", choices=METHODS, default=None,
                       help="draft_model (a small model drafts), ngram (prompt lookup), eagle (EAGLE-2 trees from a "
                            "head on the target's features), medusa (Medusa heads), lookahead (Jacobi n-grams of the "
                            "target itself) or rest (retrieval from a datastore)")
-    spec.add_argument("--speculative-model", type=Path, default=None,
+    spec.add_argument("--speculative-model", type=existing_path, default=None,
                       help="draft checkpoint directory or .gguf (draft_model), speculator directory (eagle, medusa; "
                            "default: the one shipped for the named model) or datastore directory (rest; default: the "
                            "named model's, built on first use)")
-    spec.add_argument("--num-speculative-tokens", type=int, default=None, help="draft tokens per step K (default 5)")
-    spec.add_argument("--num-drafts", type=int, default=None, help="draft_model: chains per step (default 1)")
+    spec.add_argument("--num-speculative-tokens", type=SPECULATIVE_TOKENS, default=None,
+                      help="draft tokens per step K, 1-64 (default 5; adaptive: the most)")
+    spec.add_argument("--num-drafts", type=int_range(1, 16), default=None,
+                      help="draft_model: chains per step, 1-16 (default 1)")
     spec.add_argument("--no-speculation", action="store_true", help="plain decoding")
-    spec.add_argument("--no-adaptive", dest="adaptive", action="store_false",
-                      help="always draft K tokens (default: adaptive, K per step from measured costs and acceptance, "
-                           "0 while drafts do not pay)")
+    spec.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
+                      help="choose K per step from measured costs and acceptance, 0 while drafts do not pay "
+                           "(default); --no-adaptive always drafts K tokens")
+
+
+def add_device_args(p) -> None:
+    """--dtype and --device (shared by every command that loads a model)."""
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                   help="auto (default: bfloat16 on CUDA and on CPUs with native bfloat16, else float32), float32, "
+                        "bfloat16 or float16")
+    p.add_argument("--device", default=None, type=_device,
+                   help="cpu, cuda, cuda:1, ... (default: cuda if available, else cpu)")
+
+
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+
+
+def _device(text: str) -> str:
+    """--device: a device torch knows of (checked before anything loads; importing torch takes ~1 s)."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device; use cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text}: this machine has no CUDA device (use cpu)")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"{text}: there are {torch.cuda.device_count()} CUDA devices")
+    return text
 
 
 def add_quantization_arg(p) -> None:
@@ -50,12 +81,12 @@ def add_quantization_arg(p) -> None:
 
 
 def add_sampling_args(p, temperature: float = 0.0, top_p: float = 1.0, max_tokens: int = 128) -> None:
-    p.add_argument("--max-tokens", type=int, default=max_tokens, help=f"most tokens to generate (default {max_tokens})")
-    p.add_argument("--temperature", type=float, default=temperature,
+    p.add_argument("--max-tokens", type=TOKENS, default=max_tokens, help=f"most tokens to generate (default {max_tokens})")
+    p.add_argument("--temperature", type=TEMPERATURE, default=temperature,
                    help=f"0 = greedy; > 0 samples (default {temperature:g})")
-    p.add_argument("--top-p", type=float, default=top_p, help=f"nucleus sampling mass in (0, 1] (default {top_p:g})")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = all (default)")
-    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--top-p", type=float_range(0.0, 1.0, lo_open=True), default=top_p, help=f"nucleus sampling mass in (0, 1] (default {top_p:g})")
+    p.add_argument("--top-k", type=int_range(0), default=0, help="keep the k most likely tokens; 0 = all (default)")
+    p.add_argument("--seed", type=SEED, default=None, help="random seed for sampling")
 
 
 def register(sub) -> None:
@@ -122,7 +153,26 @@ def speculative_config(args, default: dict | None = None) -> dict | None:
         raise ConfigError("--speculative-model and --num-drafts apply to --speculative-method draft_model only")
     if args.num_speculative_tokens is not None:
         config["num_speculative_tokens"] = args.num_speculative_tokens
+    if args.speculative_model is not None:
+        _check_speculative_model(method, args.speculative_model)
     return _fixed_k(args, config)
+
+
+def _check_speculative_model(method: str, path: Path) -> None:
+    """Refuse a --speculative-model that cannot be what the method needs, before any model loads."""
+    if method == "draft_model":
+        gguf = path.suffix == ".gguf" and path.is_file() or path.is_dir() and any(path.glob("*.gguf"))
+        if not gguf and not (path / "config.json").is_file():
+            raise ConfigError(f"--speculative-model {path}: not a draft checkpoint (a directory with config.json "
+                              "and model.safetensors, or a .gguf file)")
+    elif method in TREE_METHODS:
+        missing = [name for name in ("config.json", "model.safetensors") if not (path / name).is_file()]
+        if missing:
+            raise ConfigError(f"--speculative-model {path}: not a speculator directory ({' and '.join(missing)} "
+                              f"missing); write one with `specdecode train {method}`")
+    elif method == "rest" and not (path / "datastore.json").is_file():
+        raise ConfigError(f"--speculative-model {path}: not a REST datastore (datastore.json missing); build one "
+                          "with `specdecode datastore build`")
 
 
 def _fixed_k(args, config: dict) -> dict:
@@ -186,6 +236,8 @@ def _spec_summary(stats, config: dict) -> str:
 def cmd_generate(args) -> int:
     from specdecode.engine.llm import LLM
 
+    if args.prompt == "":
+        raise ConfigError("the prompt is empty; give some text to complete (or, with --chat, a message)")
     set_threads(args.threads)
     params = sampling_params(args)  # (checked before a model is fetched or loaded)
     model_dir, config, _ = resolve_models(args)

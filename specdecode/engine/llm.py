@@ -10,6 +10,7 @@ import itertools
 from collections.abc import Iterator
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 from specdecode.dist.launch import launch_tensor_parallel
@@ -32,7 +33,7 @@ class LLM:
                  speculative_config: dict | SpeculativeConfig | str | None = None, max_num_seqs: int = 32,
                  max_model_len: int | None = None, quantization: str | None = None, tensor_parallel_size: int = 1,
                  draft_tensor_parallel_size: int | None = None, memory_budget: int | None = None,
-                 gpu_memory_utilization: float | None = None):
+                 gpu_memory_utilization: float | None = None, threads: int | None = None):
         """model: a model name (default: smollm2-135m-instruct, fetched on first use), a .gguf file, or a
         Hugging Face checkpoint directory.
         speculative_config: vLLM-style dict, e.g. {"method": "ngram", "num_speculative_tokens": 8}; None (default)
@@ -46,7 +47,15 @@ class LLM:
         draft_tensor_parallel_size: 1 (default): the draft model or head runs whole on rank 0.
         memory_budget (bytes per rank) or gpu_memory_utilization (fraction of each CUDA device): size the batch with
         the capacity plan (specdecode/plan.py): max_num_seqs becomes the most sequences of max_model_len that fit,
-        the caches are allocated now, and a configuration where not even one fits is refused here."""
+        the caches are allocated now, and a configuration where not even one fits is refused here.
+        threads: CPU threads for torch (torch.set_num_threads, for the whole process; default: torch's choice; on
+        a CPU shared with other work, 1 is often fastest for a small model)."""
+        if threads is not None:
+            if not isinstance(threads, int) or threads < 1:
+                raise ConfigError(f"threads must be a positive integer, got {threads!r}")
+            torch.set_num_threads(threads)
+        if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be a positive integer, got {max_num_seqs!r}")
         if isinstance(speculative_config, str):
             if speculative_config != "auto":
                 raise ConfigError(f"speculative_config must be a dict, None or 'auto', got {speculative_config!r}")
@@ -72,8 +81,6 @@ class LLM:
         else:
             self.target = load_model(self.model_dir, dtype=dtype, device=self.device, quantization=quantization)
         self.tokenizer = Tokenizer(self.model_dir, self.target.config.eos_token_ids)
-        if max_num_seqs < 1:
-            raise ConfigError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         self.max_num_seqs = max_num_seqs
         self.max_model_len = min(max_model_len or self.target.config.max_position_embeddings,
                                  self.target.config.max_position_embeddings)
@@ -165,7 +172,8 @@ class LLM:
         return outputs
 
     def stream(self, prompt: str | list[int], params: SamplingParams) -> Iterator[str]:
-        """Yield the text of one prompt as it is generated."""
+        """Yield the text of one prompt as it is generated; joined, it is `generate`'s text (with stop strings, text
+        that could begin one is yielded once the next tokens show it does not)."""
         seq = self.make_sequence(prompt, params)
         for deltas in self._run([seq]):
             if deltas.get(seq.request_id):

@@ -102,6 +102,10 @@ class Sequence:
         self.eos_ids = set() if params.ignore_eos else set(eos_ids)
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids)
         self.text = ""
+        self.text_shown = 0
+        """Characters of text already returned by append (the rest is held back or not generated yet)."""
+        self.stop_holdback = max(map(len, params.stop), default=1) - 1
+        """Characters at the end of the text that may begin a stop string (0 without stop strings)."""
         self.finish_reason: str | None = None
 
     @property
@@ -130,34 +134,38 @@ class Sequence:
         return [self.random.uniform(self.num_generated + depth, DRAFT, i) for i in range(count)]
 
     def append(self, new_ids: list[int], max_len: int) -> str:
-        """Add generated tokens, apply EOS / max_tokens / stop strings / context limit; returns the new text."""
+        """Add generated tokens one at a time up to the first that ends the request: an EOS, the max_tokens-th or
+        the context's last token, or one whose text completes a stop string (the text is cut before the stop
+        string; the token stays, as in vLLM). Tokens after it are dropped. Returns the text that may be shown now.
+
+        While stop strings are set, the last len(longest stop) - 1 characters are held back until the request
+        finishes: they could be the start of a stop string the next tokens complete, and text once shown cannot
+        be taken back."""
         params = self.params
-        room = min(params.max_tokens - self.num_generated, max_len - len(self.token_ids))
-        kept = []
-        for token in new_ids[:room]:
-            kept.append(token)
+        for token in new_ids:
+            self.token_ids.append(token)
             if token in self.eos_ids:
                 self.finish_reason = "stop"
+            elif self.num_generated >= params.max_tokens or len(self.token_ids) >= max_len:
+                self.finish_reason = "length"
+            self._add_text(self.detokenizer.add([token], final=self.finished))
+            if self.finished:
                 break
-        self.token_ids.extend(kept)
-        if not self.finished and (self.num_generated >= params.max_tokens or len(self.token_ids) >= max_len):
-            self.finish_reason = "length"
-        delta = self.detokenizer.add(kept)
-        if self.finished:
-            delta += self.detokenizer.add([], final=True)
-        if params.stop and delta:
-            before = len(self.text)
-            self.text += delta
-            # Only the new text (plus the longest stop string's overlap) needs scanning.
-            start = max(0, before - max(map(len, params.stop)) + 1)
-            hits = [i for i in (self.text.find(s, start) for s in params.stop) if i >= 0]
-            if hits:
-                self.text = self.text[:min(hits)]
-                self.finish_reason = "stop"
-                return self.text[before:] if len(self.text) > before else ""
-            return delta
-        self.text += delta
+        shown = len(self.text) if self.finished else max(self.text_shown, len(self.text) - self.stop_holdback)
+        delta, self.text_shown = self.text[self.text_shown:shown], shown
         return delta
+
+    def _add_text(self, delta: str) -> None:
+        """Extend the text; a stop string it completes ends the request there."""
+        if not delta:
+            return
+        # A match must end inside the new text, so it starts at most len(longest stop) - 1 characters before it.
+        scan_from = max(0, len(self.text) - self.stop_holdback)
+        self.text += delta
+        hits = [i for i in (self.text.find(s, scan_from) for s in self.params.stop) if i >= 0]
+        if hits:
+            self.text = self.text[:min(hits)]
+            self.finish_reason = "stop"
 
     def output(self) -> RequestOutput:
         return RequestOutput(

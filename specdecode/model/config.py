@@ -142,11 +142,13 @@ class ModelConfig:
         return out
 
     def inv_freq(self):
-        """Rotary inverse frequencies [head_dim // 2], with Llama 3 scaling applied when configured."""
+        """Rotary inverse frequencies [head_dim // 2], with Llama 3 scaling applied when configured. Always on the
+        CPU (the model moves them): on the meta device, where load_model builds, these ops import torch._dynamo."""
         import torch
 
         dim = self.head_dim
-        inv_freq = 1.0 / (self.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        positions = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu")
+        inv_freq = 1.0 / (self.rope_theta ** (positions.float() / dim))
         scaling = self.rope_scaling or {}
         if scaling.get("rope_type", scaling.get("type")) == "llama3":
             factor = scaling["factor"]

@@ -7,7 +7,9 @@ q/k weights for llama.cpp's interleaved rotary; that is undone here, so the tens
 from __future__ import annotations
 
 import functools
+import mmap
 import re
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -91,16 +93,14 @@ class GGUFCheckpoint:
         import gguf
 
         self.path = path
+        truncated = truncation(path)  # before the reader, whose errors on a short file are numpy's
+        if truncated is not None:
+            raise CheckpointError(truncated)
         try:
             self.reader = gguf.GGUFReader(str(path))
         except Exception as exc:  # the reader raises ValueError, KeyError, IndexError... on a damaged file
             raise CheckpointError(f"{path} is not a readable GGUF file ({type(exc).__name__}: {exc}); it is "
-                                  "truncated or corrupt: download it again") from exc
-        end = max((t.data_offset + int(t.n_bytes) for t in self.reader.tensors), default=0)
-        size = path.stat().st_size
-        if end > size:
-            raise CheckpointError(f"{path} is truncated: its tensors need {end:,} bytes, the file has {size:,}; "
-                                  "download it again")
+                                  "corrupt: download it again") from exc
         self.architecture = self.get("general.architecture")
         if self.architecture not in GGUF_ARCHITECTURES:
             raise ConfigError(f"{path}: GGUF architecture {self.architecture!r} is not supported; specdecode "
@@ -113,6 +113,97 @@ class GGUFCheckpoint:
     def arch(self, key: str, default=None):
         """A metadata value under this file's architecture prefix, e.g. arch('block_count')."""
         return self.get(f"{self.architecture}.{key}", default)
+
+
+_VALUE_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+"""Bytes of each fixed-size GGUF metadata value type (gguf.GGUFValueType); 8 is a string, 9 an array."""
+_STRING, _ARRAY, _UINT32 = 8, 9, 4
+
+
+class _HeaderCut(Exception):
+    """The header runs past the end of the file; `needed` is the end of the item that did not fit."""
+
+    def __init__(self, needed: int):
+        self.needed = needed
+
+
+def described_size(path: Path) -> int:
+    """The size in bytes that a GGUF file's own header describes: the end of its last tensor's data.
+
+    Walks the header (metadata values are skipped, not decoded). Raises _HeaderCut when the file ends inside
+    the header, and ValueError/KeyError/struct.error when the bytes are not a GGUF header."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        if not GGUF_MAGIC.startswith(f.read(4)):
+            raise ValueError("GGUF magic invalid")
+    if size < 24:  # magic, version, tensor and metadata counts
+        raise _HeaderCut(24)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        order = ">" if struct.unpack_from("<I", data, 4)[0] & 0xFFFF == 0 else "<"  # a big-endian file
+        pos = 8
+
+        def take(n: int) -> int:
+            nonlocal pos
+            pos += n
+            if pos > size:
+                raise _HeaderCut(pos)
+            return pos - n
+
+        def number(kind: str) -> int:
+            return struct.unpack_from(order + kind, data, take(struct.calcsize(kind)))[0]
+
+        def skip_value(kind: int) -> None:
+            if kind == _STRING:
+                take(number("Q"))
+            elif kind == _ARRAY:
+                item, count = number("I"), number("Q")
+                if item in (_STRING, _ARRAY):
+                    for _ in range(count):
+                        skip_value(item)
+                else:
+                    take(count * _VALUE_SIZES[item])
+            else:
+                take(_VALUE_SIZES[kind])
+
+        tensor_count, kv_count = number("Q"), number("Q")
+        alignment = 32
+        for _ in range(kv_count):
+            key_start = take(number("Q"))
+            key, kind = data[key_start:pos], number("I")
+            if key == b"general.alignment" and kind == _UINT32:
+                alignment = number("I")
+            else:
+                skip_value(kind)
+        end = 0
+        for _ in range(tensor_count):
+            take(number("Q"))  # the name
+            dims = [number("Q") for _ in range(number("I"))]
+            block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(number("I"))]
+            elements = 1
+            for d in dims:
+                elements *= d
+            end = max(end, number("Q") + elements // block * block_bytes)
+        data_start = -(-pos // alignment) * alignment
+        return data_start + end
+
+
+def truncation(path: Path) -> str | None:
+    """What is missing from a GGUF file that ends before what its header describes (one line), or None when it
+    is complete or not a GGUF layout at all (the reader then says what is wrong)."""
+    size = path.stat().st_size
+    try:
+        needed = described_size(path)
+    except _HeaderCut as cut:
+        return (f"{path} is truncated: it ends inside its header, which needs at least {cut.needed:,} bytes, the "
+                f"file has {size:,} (at least {cut.needed - size:,} missing); download it again")
+    except (ValueError, KeyError, struct.error, OverflowError):
+        return None
+    if needed <= size:
+        return None
+    return (f"{path} is truncated: its header describes {needed:,} bytes, the file has {size:,} "
+            f"({needed - size:,} missing); download it again")
 
 
 @functools.lru_cache(maxsize=2)

@@ -131,10 +131,18 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def embedding(num: int, dim: int) -> nn.Embedding:
+    """nn.Embedding(num, dim); on the meta device (where load_model builds, then assigns the weights) without the
+    random init, whose meta version is a Python decomposition that imports torch._dynamo on first use (~1.3 s)."""
+    if torch.get_default_device().type == "meta":
+        return nn.Embedding.from_pretrained(torch.empty(num, dim), freeze=False)
+    return nn.Embedding(num, dim)
+
+
 class Decoder(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

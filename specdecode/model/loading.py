@@ -1,5 +1,5 @@
 """Checkpoints: load Hugging Face directories (config.json + safetensors, single or sharded) or GGUF files
-(see gguf.py); save Hugging Face directories.
+(see gguf.py; after the first load, from their converted copy: gguf_cache.py); save Hugging Face directories.
 
 Only safetensors are read: pickled *.bin weights can run arbitrary code when loaded, so they are refused.
 """
@@ -16,7 +16,8 @@ from safetensors.torch import load_file, save_file
 from specdecode.errors import CheckpointError, ConfigError
 from specdecode.hardware import cpu_has_native_bf16
 from specdecode.model.config import ModelConfig
-from specdecode.model.gguf import find_gguf, gguf_config, gguf_state_dict, open_gguf
+from specdecode.model.gguf import find_gguf
+from specdecode.model.gguf_cache import gguf_model_config, read_gguf
 from specdecode.model.linear import prepare_for_inference
 from specdecode.model.llama import LlamaForCausalLM
 
@@ -83,9 +84,8 @@ def read_checkpoint(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[s
     Every format ends here, so that the same name/shape checks and assignment apply to all of them."""
     gguf_path = find_gguf(path)
     if gguf_path is not None:
-        ckpt = open_gguf(gguf_path)
-        config = gguf_config(ckpt)
-        return config, gguf_state_dict(ckpt, config, dtype), f"the metadata of {gguf_path.name}"
+        config, state = read_gguf(gguf_path, dtype)
+        return config, state, f"the metadata of {gguf_path.name}"
     if not path.is_dir():
         raise CheckpointError(f"model {path} does not exist: pass a Hugging Face checkpoint directory, a .gguf "
                               "file, or a model name (see `specdecode models`)")
@@ -97,7 +97,7 @@ def read_config(path: str | Path) -> ModelConfig:
     path = Path(path)
     gguf_path = find_gguf(path)
     if gguf_path is not None:
-        return gguf_config(open_gguf(gguf_path))
+        return gguf_model_config(gguf_path)
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{path / 'config.json'} is missing: pass a Hugging Face checkpoint directory, a .gguf "
                               "file, or a model name (see `specdecode models`)")
@@ -108,14 +108,16 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
                device: str | torch.device | None = None, quantization: str | None = None,
                shard: Callable[[LlamaForCausalLM], LlamaForCausalLM] | None = None) -> LlamaForCausalLM:
     """Build the decoder of a checkpoint (HF directory with config.json + safetensors, a .gguf file, or a
-    directory holding one .gguf) and fill it with its weights (GGUF weights are dequantised to dtype).
+    directory holding one .gguf) and fill it with its weights (GGUF weights are dequantised to dtype, once: later
+    loads memory-map the converted copy, see gguf_cache.py).
     shard: applied to the loaded model before it moves to the device and gets its linear kernels (tensor
     parallelism keeps one rank's share there, see dist/tp.py)."""
     model_dir = Path(model_dir)
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     config, state, described_by = read_checkpoint(model_dir, dtype)
-    model = LlamaForCausalLM(config)  # (building on the meta device would import torch._dynamo: seconds)
+    with torch.device("meta"):  # no storage and no random init: load_state_dict(assign=True) puts the weights in
+        model = LlamaForCausalLM(config)
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     expected = {k for k in model.state_dict() if not (config.tie_word_embeddings and k == "lm_head.weight")}
@@ -135,7 +137,6 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
     model.load_state_dict(state, assign=True, strict=False)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.inv_freq = config.inv_freq()
     if shard is not None:
         model = shard(model)
     # The platform's fastest linear kernels, or weight-only int8 (quantization="int8").

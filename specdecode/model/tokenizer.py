@@ -10,8 +10,8 @@ from pathlib import Path
 from tokenizers import Tokenizer as HFTokenizer
 
 from specdecode.errors import CheckpointError
-from specdecode.model.gguf import find_gguf, open_gguf
-from specdecode.model.gguf_tokenizer import build_gguf_tokenizer
+from specdecode.model.gguf import find_gguf
+from specdecode.model.gguf_cache import gguf_tokenizer_spec
 
 
 def _read_json(path: Path, required: bool) -> dict:
@@ -38,7 +38,7 @@ class Tokenizer:
         model_dir = Path(model_dir)
         gguf_path = find_gguf(model_dir)
         if gguf_path is not None:
-            spec = build_gguf_tokenizer(open_gguf(gguf_path))
+            spec = gguf_tokenizer_spec(gguf_path)
             self.backend = spec.backend
             self.bos_token, self.eos_token, self.pad_token = spec.bos_token, spec.eos_token, spec.pad_token
             self.add_bos_token = spec.add_bos_token

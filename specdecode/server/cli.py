@@ -1,18 +1,25 @@
 """`specdecode serve`: the OpenAI-compatible server, speculating adaptively by default."""
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 from pathlib import Path
 
+from specdecode.argtypes import MAX_NUM_SEQS, PORT, POSITIVE, SECONDS, float_range, int_range
 from specdecode.dist.flags import add_replica_args, add_scaleout_args, scaleout_kwargs
+from specdecode.engine.cli import add_model_args
 from specdecode.errors import ConfigError
 from specdecode.server.limits import add_limit_args, limits_from_args
-from specdecode.spec.config import METHODS
 
 API_KEY_ENV = "SPECDECODE_API_KEY"
 """Environment variable read for the API key when neither --api-key nor --api-key-file is given."""
+DEFAULT_MAX_NUM_SEQS = 32
+"""Most sequences decoded at once when --max-num-seqs is not given (fewer if fewer fit the memory)."""
+DEFAULT_MEMORY_FRACTION = 0.25
+"""Share of the memory available at start-up that a CPU server plans for by default: a server shares its machine
+(a 135M model at 8,192 positions needs ~0.5 GiB per sequence; 32 of them would take 16 GiB)."""
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+"""Share of a CUDA device's memory a server plans for by default (vLLM's default)."""
 
 
 def register(sub) -> None:
@@ -20,14 +27,12 @@ def register(sub) -> None:
                        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics. "
                                    "The engine batches requests continuously and chooses how many tokens to draft "
                                    "each step from measured costs and acceptance rates.")
-    p.add_argument("--model", default=None,
-                   help="a model name (fetched on first use), a .gguf file, or a Hugging Face checkpoint directory "
-                        "(default: smollm2-135m-instruct)")
+    add_model_args(p)
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send and /v1/models lists (default: the --model argument, "
                         "or smollm2-135m-instruct for the default model)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--port", type=PORT, default=8000, help="port (default 8000)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1 routes (other users can read a command line: "
                         f"prefer --api-key-file or the {API_KEY_ENV} environment variable)")
@@ -37,27 +42,19 @@ def register(sub) -> None:
                    help="comma-separated host names clients may address the server by, besides the --host address, "
                         "localhost, 127.0.0.1 and ::1 (requests with any other Host header get 400, against DNS "
                         "rebinding); '*' allows any")
-    p.add_argument("--max-num-seqs", type=int, default=32, help="sequences decoded at once (default 32)")
-    p.add_argument("--max-waiting", type=int, default=256,
+    p.add_argument("--max-num-seqs", type=MAX_NUM_SEQS, default=None,
+                   help=f"sequences decoded at once (default: as many as fit the memory available, at most "
+                        f"{DEFAULT_MAX_NUM_SEQS})")
+    p.add_argument("--max-waiting", type=int_range(0), default=256,
                    help="requests queued beyond --max-num-seqs before new ones get 503 (default 256)")
-    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    p.add_argument("--dtype", default="auto", help="auto (default), float32, bfloat16 or float16")
-    p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
-    spec = p.add_argument_group("speculative decoding")
-    spec.add_argument("--speculative-method", choices=METHODS, default=None,
-                      help="draft_model (a small model drafts), ngram (prompt lookup), eagle, medusa (heads on the "
-                           "target's features), lookahead (Jacobi n-grams) or rest (retrieval from a datastore)")
-    spec.add_argument("--speculative-model", type=Path, default=None,
-                      help="draft checkpoint, speculator or datastore directory")
-    spec.add_argument("--num-speculative-tokens", type=int, default=None,
-                      help="most draft tokens per step K (default 5)")
-    spec.add_argument("--num-drafts", type=int, default=None, help="draft_model: chains per step (default 1)")
-    spec.add_argument("--no-speculation", action="store_true", help="plain decoding")
-    spec.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
-                      help="choose K per step from measured costs (default); --no-adaptive always drafts K")
-    spec.add_argument("--disable-by-batch-size", type=int, default=None,
-                      help="never speculate while this many sequences run")
-    p.add_argument("--stall-timeout", type=float, default=None,
+    p.add_argument("--max-model-len", type=int_range(2), default=None,
+                   help="context length (default: the model's)")
+    p.add_argument("--memory-fraction", type=float_range(0.0, 1.0, lo_open=True), default=None,
+                   help="on a CPU: the share of the memory available now that the server may plan for "
+                        f"(default {DEFAULT_MEMORY_FRACTION})")
+    p.add_argument("--disable-by-batch-size", type=POSITIVE, default=None,
+                   help="never speculate while this many sequences run")
+    p.add_argument("--stall-timeout", type=SECONDS, default=None,
                    help="seconds one engine iteration may take before /health reports the engine stalled "
                         "(default 300)")
     add_limit_args(p)
@@ -99,30 +96,104 @@ def allowed_hosts(args) -> list[str]:
     return [args.host, *LOCAL_HOSTS, *extra]
 
 
+def memory_defaults(args, device) -> None:
+    """Without --memory-budget or --gpu-memory-utilization, plan for a share of what the machine has now."""
+    from specdecode.dist.flags import GiB
+    from specdecode.hardware import available_memory
+
+    if args.memory_budget is not None or args.gpu_memory_utilization is not None:
+        return
+    if device.type == "cuda":
+        args.gpu_memory_utilization = DEFAULT_GPU_MEMORY_UTILIZATION
+        return
+    available = available_memory()
+    if available is not None:
+        fraction = args.memory_fraction if args.memory_fraction is not None else DEFAULT_MEMORY_FRACTION
+        args.memory_budget = fraction * available / GiB
+        args.memory_available = available
+
+
+def size_batch(args, model_dir, config) -> None:
+    """Set args.max_num_seqs from the capacity plan: as many as fit (at most DEFAULT_MAX_NUM_SEQS) when it was not
+    given; a --max-num-seqs or --max-model-len that does not fit is refused here, before the model loads."""
+    from specdecode.model.loading import resolve_device
+    from specdecode.plan import memory_budget_bytes, plan_memory
+    from specdecode.spec.config import SpeculativeConfig, with_shipped_speculator
+
+    device = resolve_device(args.device)
+    memory_defaults(args, device)
+    budget = memory_budget_bytes(device, scaleout_kwargs(args)["memory_budget"], args.gpu_memory_utilization)
+    wanted = args.max_num_seqs or DEFAULT_MAX_NUM_SEQS
+    if budget is None:  # nothing known of the memory: take the flag or the default as it is
+        args.max_num_seqs = wanted
+        return
+    spec = SpeculativeConfig.parse(with_shipped_speculator(config, args.model))
+    plan = plan_memory(model_dir, budget, args.max_model_len, wanted, spec, args.dtype, args.device,
+                       args.tensor_parallel_size)
+    largest = plan.largest_batch()
+    where = (f"{args.memory_budget:.1f} GiB (--memory-budget)" if getattr(args, "memory_available", None) is None
+             else f"{budget / 2**30:.1f} GiB ({plan.headroom:.0%} kept free; --memory-fraction of the "
+                  f"{args.memory_available / 2**30:.1f} GiB available)")
+    if largest < 1:
+        raise ConfigError(f"not even one sequence of {plan.max_model_len} positions fits {where}: lower "
+                          "--max-model-len, or raise --memory-fraction / --memory-budget")
+    if args.max_num_seqs is not None and args.max_num_seqs > largest:
+        raise ConfigError(f"--max-num-seqs {args.max_num_seqs} at {plan.max_model_len} positions needs "
+                          f"{plan.needed() / 2**30:.1f} GiB but the plan has {where}: lower --max-num-seqs to "
+                          f"{largest} or --max-model-len, or raise --memory-fraction / --memory-budget")
+    args.max_num_seqs = min(wanted, largest)
+    args.planned_bytes = plan.needed(args.max_num_seqs)
+    args.max_model_len = plan.max_model_len
+
+
+def configuration_line(llm, name: str, args) -> str:
+    """The one line `serve` prints when it is ready: what it runs, and on how much memory."""
+    import torch
+
+    config = llm.spec_config
+    if config is None:
+        spec = "speculation off"
+    else:
+        k = config.num_speculative_tokens
+        spec = f"speculation {config.method} {'adaptive K<=' if config.adaptive else 'K='}{k}"
+    threads = torch.get_num_threads()
+    memory = ""
+    if getattr(args, "planned_bytes", None) is not None:
+        memory = f", {args.planned_bytes / 2**30:.1f} GiB planned"
+        if getattr(args, "memory_available", None) is not None:
+            memory += f" of {args.memory_available / 2**30:.1f} GiB available"
+    dtype = str(llm.target.dtype).removeprefix("torch.")
+    return (f"{name}: {dtype} on {llm.device}, {threads} thread{'s' if threads > 1 else ''}, "
+            f"{llm.max_num_seqs} sequences x {llm.max_model_len} positions, {spec}{memory}")
+
+
 def cmd_serve(args) -> int:
     import uvicorn
 
     from specdecode.engine.async_engine import STALL_TIMEOUT, AsyncEngine
-    from specdecode.engine.cli import resolve_models
+    from specdecode.engine.cli import resolve_models, set_threads
     from specdecode.engine.llm import LLM
     from specdecode.server.app import build_app
     from specdecode.server.transport import uvicorn_options
 
     key = api_key(args)
-    if args.max_waiting < 0:
-        raise ConfigError(f"--max-waiting must be >= 0, got {args.max_waiting}")
-    if args.max_connections is None:
-        args.max_connections = args.max_num_seqs + args.max_waiting + 64
-    limits = limits_from_args(args)
+    set_threads(args.threads)
     model_dir, config, model_name = resolve_models(args)
     if config is not None:
         config["adaptive"] = args.adaptive
         if args.disable_by_batch_size is not None:
             config["disable_by_batch_size"] = args.disable_by_batch_size
+    replicas = args.replicas is not None or args.min_replicas is not None
+    if not replicas:
+        size_batch(args, model_dir, config)
+    if args.max_connections is None:
+        args.max_connections = (args.max_num_seqs or DEFAULT_MAX_NUM_SEQS) + args.max_waiting + 64
+    limits = limits_from_args(args)
     llm_kwargs = dict(model=model_dir, dtype=args.dtype, device=args.device, speculative_config=config,
-                      max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, **scaleout_kwargs(args))
+                      max_num_seqs=args.max_num_seqs or DEFAULT_MAX_NUM_SEQS, max_model_len=args.max_model_len,
+                      **scaleout_kwargs(args))
     name = args.served_model_name or model_name
-    if args.replicas is not None or args.min_replicas is not None:  # Ray Serve: each replica builds its engine
+    if replicas:  # Ray Serve: each replica builds its engine
         from specdecode.server.ray_serve import ReplicaSettings, deployment_settings, serve_replicas
 
         llm_kwargs["model"] = args.model  # a name (None: the default) is fetched by each replica, on its node
@@ -133,8 +204,20 @@ def cmd_serve(args) -> int:
     engine = AsyncEngine(llm, max_waiting=args.max_waiting, stall_timeout=args.stall_timeout or STALL_TIMEOUT)
     app = build_app(engine, name, api_key=key, limits=limits, allowed_hosts=allowed_hosts(args))
     engine.start()
+    line = configuration_line(llm, name, args)
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if self.started:
+                host = f"[{args.host}]" if ":" in args.host else args.host
+                print(f"specdecode serve: {line}; ready at http://{host}:{self.servers[0].sockets[0].getsockname()[1]}"
+                      if self.servers and self.servers[0].sockets else f"specdecode serve: {line}; ready",
+                      flush=True)
+
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, **uvicorn_options(limits))
+        Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                              **uvicorn_options(limits))).run()
     finally:
         engine.shutdown()
     return 0

@@ -9,6 +9,8 @@ from pathlib import Path
 from specdecode.errors import ConfigError
 
 METHODS = ("draft_model", "ngram", "eagle", "medusa", "lookahead", "rest")
+MAX_SPECULATIVE_TOKENS = 64
+"""The most draft levels a step may verify (deeper drafts never pay, and start-up times every depth)."""
 TREE_METHODS = ("eagle", "medusa")
 """Methods whose `model` is a speculator directory of heads that read the target's hidden states."""
 
@@ -50,8 +52,10 @@ class SpeculativeConfig:
     def __post_init__(self):
         if self.method not in METHODS:
             raise ConfigError(f"speculative method {self.method!r} is unknown; use one of {', '.join(METHODS)}")
-        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
-            raise ConfigError(f"num_speculative_tokens must be a positive integer, got {self.num_speculative_tokens!r}")
+        if (not isinstance(self.num_speculative_tokens, int) or isinstance(self.num_speculative_tokens, bool)
+                or not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS):
+            raise ConfigError(f"num_speculative_tokens (--num-speculative-tokens) must be an integer between 1 and "
+                              f"{MAX_SPECULATIVE_TOKENS}, got {self.num_speculative_tokens!r}")
         if self.disable_by_batch_size is not None and (not isinstance(self.disable_by_batch_size, int)
                                                        or self.disable_by_batch_size < 1):
             raise ConfigError(f"disable_by_batch_size must be a positive integer, got {self.disable_by_batch_size!r}")

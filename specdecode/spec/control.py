@@ -301,16 +301,53 @@ def _timed_pass(model, cache, batch: int, width: int, context: int) -> float:
     return time.perf_counter() - start
 
 
-def _best_times(model, cache, shapes: list[tuple[int, int]], context: int, repeats: int) -> dict:
-    """Best-of-`repeats` seconds per (batch, width). Rounds go over every shape in turn, so that a burst of
-    load from elsewhere on the machine spoils one sample of many shapes rather than every sample of one."""
-    best = {shape: float("inf") for shape in shapes}
-    for round_ in range(repeats + 1):  # round 0 warms up
-        for shape in shapes:
-            seconds = _timed_pass(model, cache, *shape, context)
-            if round_:
-                best[shape] = min(best[shape], seconds)
+CALIBRATION_SECONDS = 10.0
+"""Start-up timing stops measuring new shapes after this long; the rest are estimated from what was measured."""
+MAX_CALIBRATED_TOKENS = 2048
+"""Largest pass timed at start-up (rows x width); larger ones are extrapolated (their cost is about linear)."""
+
+
+def _best_times(model, cache, shapes: list[tuple[int, int]], context: int, repeats: int,
+                deadline: float = float("inf")) -> dict:
+    """Best-of-`repeats` seconds per (batch, width), for the shapes measured before `deadline` (perf_counter).
+    Rounds go over every shape in turn, so that a burst of load from elsewhere on the machine spoils one sample
+    of many shapes rather than every sample of one. Shapes come in the order given (cheapest first): when time
+    runs out, the costly ones are left to _estimate."""
+    warmed = []
+    for shape in shapes:  # a warm-up pass each, cheapest first, while there is time (the first always)
+        if warmed and time.perf_counter() > deadline:
+            break
+        _timed_pass(model, cache, *shape, context)
+        warmed.append(shape)
+    best: dict[tuple[int, int], float] = {}
+    for round_ in range(repeats):
+        if round_ and time.perf_counter() > deadline:
+            break  # every warmed shape has one sample
+        for shape in warmed:
+            best[shape] = min(best.get(shape, float("inf")), _timed_pass(model, cache, *shape, context))
     return best
+
+
+def _estimate(times: dict[tuple[int, int], float], batch: int, width: int) -> float:
+    """Seconds of a [batch, width] pass: measured, else interpolated between measured widths at this batch size,
+    else scaled in proportion to tokens from the largest measured pass that is no larger in either dimension."""
+    if (batch, width) in times:
+        return times[batch, width]
+    row = sorted(w for b, w in times if b == batch)
+    lower = [w for w in row if w < width]
+    upper = [w for w in row if w > width]
+    if lower and upper:
+        w0, w1 = lower[-1], upper[0]
+        return times[batch, w0] + (times[batch, w1] - times[batch, w0]) * (width - w0) / (w1 - w0)
+    below = [(b, w) for b, w in times if b <= batch and w <= width]
+    b, w = max(below, key=lambda shape: (shape[0] * shape[1], shape))
+    return times[b, w] * (batch * width) / (b * w)
+
+
+def _calibrated_levels(max_k: int) -> list[int]:
+    """Draft lengths timed at start-up: 0-4 and powers of two up to max_k, and max_k (the rest interpolated)."""
+    return sorted({k for k in range(min(max_k, 4) + 1)} | {2 ** i for i in range(max_k.bit_length())
+                                                            if 2 ** i <= max_k} | {max_k})
 
 
 def _smooth(target: dict[int, dict[int, float]]) -> dict[int, dict[int, float]]:
@@ -338,18 +375,27 @@ def _smooth(target: dict[int, dict[int, float]]) -> dict[int, dict[int, float]]:
 
 
 def measure_costs(target, draft, max_batch: int, max_k: int, nodes_per_level: int = 1, context: int = 128,
-                  repeats: int = 3, widths: list[int] | None = None) -> CostModel:
+                  repeats: int = 3, widths: list[int] | None = None,
+                  budget_seconds: float = CALIBRATION_SECONDS) -> CostModel:
     """Time target passes over the batch sizes and draft lengths the engine can use, and draft forwards (if the
     proposer has a draft model), on this machine, at start-up. widths: pass width per row for each draft length
-    0..max_k (default 1 + nodes_per_level * k)."""
+    0..max_k (default 1 + nodes_per_level * k). Bounded in time whatever the sizes: a subset of draft lengths is
+    timed (the others interpolated), no pass of more than MAX_CALIBRATED_TOKENS, and nothing new is started after
+    budget_seconds."""
+    deadline = time.perf_counter() + budget_seconds
     batches = sorted({1, max_batch} | {2 ** i for i in range(max_batch.bit_length()) if 2 ** i < max_batch})
     widths = list(widths) if widths else [1 + nodes_per_level * k for k in range(max_k + 1)]
-    cache = target.make_cache(max_batch, context + widths[-1] + 1)
-    times = _best_times(target, cache, [(b, w) for b in batches for w in widths], context, repeats)
-    target_points = _smooth({k: {b: times[b, w] for b in batches} for k, w in enumerate(widths)})
+    shapes = sorted({(b, widths[k]) for b in batches for k in _calibrated_levels(len(widths) - 1)},
+                    key=lambda shape: (shape[0] * shape[1], shape))
+    shapes = [shape for shape in shapes if shape[0] * shape[1] <= MAX_CALIBRATED_TOKENS or shape == shapes[0]]
+    cache = target.make_cache(max(b for b, _ in shapes), context + max(w for _, w in shapes) + 1)
+    times = _best_times(target, cache, shapes, context, repeats, deadline)
+    del cache
+    target_points = _smooth({k: {b: _estimate(times, b, w) for b in batches} for k, w in enumerate(widths)})
     draft_points = None
     if draft is not None:
-        times = _best_times(draft, draft.make_cache(max_batch, context + 2), [(b, 1) for b in batches], context,
-                            repeats)
-        draft_points = {b: times[b, 1] for b in batches}
+        draft_batches = [b for b in batches if b <= MAX_CALIBRATED_TOKENS]
+        times = _best_times(draft, draft.make_cache(draft_batches[-1], context + 2), [(b, 1) for b in draft_batches],
+                            context, repeats, max(deadline, time.perf_counter() + 0.25 * budget_seconds))
+        draft_points = {b: _estimate(times, b, 1) for b in batches}
     return CostModel(target_points, draft_points, max_batch)

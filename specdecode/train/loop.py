@@ -11,14 +11,14 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Callable
-
-import numpy as np
-import torch
-from tqdm import tqdm
+from typing import TYPE_CHECKING, Callable
 
 from specdecode.errors import ConfigError
 from specdecode.train.data import sample_windows
+
+if TYPE_CHECKING:  # torch is imported where it is used: `specdecode --help` reads TrainConfig's defaults
+    import numpy as np
+    import torch
 
 
 @dataclasses.dataclass
@@ -64,6 +64,8 @@ class TrainConfig:
 
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    import torch
+
     decay, no_decay = [], []
     seen = set()
     for name, p in model.named_parameters():
@@ -80,13 +82,15 @@ def checkpoint_path(run_dir: Path) -> Path:
 
 
 def save_checkpoint(run_dir: Path, model, optimizer, state: dict) -> None:
+    import torch
+
     path = checkpoint_path(run_dir)
     tmp = path.with_suffix(".tmp")
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), **state}, tmp)
     tmp.replace(path)  # atomic: an interruption never leaves a half-written checkpoint
 
 
-LossFn = Callable[[torch.nn.Module, object], tuple[torch.Tensor, dict]]
+LossFn = Callable[["torch.nn.Module", object], "tuple[torch.Tensor, dict]"]
 """loss_fn(model, batch) -> (loss to minimise, extra floats to log; "tokens" = tokens in the batch)."""
 
 
@@ -96,6 +100,10 @@ def train(model: torch.nn.Module, loss_fn: LossFn, tokens: "np.ndarray | Callabl
 
     tokens: a token array (batches are random windows of it, [B, T+1]) or batch_at(step) -> batch, which must
     be a function of the step only, so that resuming sees the same batches."""
+    import numpy as np
+    import torch
+    from tqdm import tqdm
+
     if isinstance(tokens, np.ndarray):
         corpus = tokens
 

@@ -9,15 +9,11 @@ import json
 import time
 from pathlib import Path
 
-import torch
-
 from specdecode.model.config import ModelConfig
-from specdecode.model.loading import load_model, save_model
-from specdecode.model.tokenizer import Tokenizer
 from specdecode.train import data, loop
-from specdecode.train.distill import make_distill_loss
-from specdecode.train.lm import cross_entropy_loss, init_model
-from specdecode.train.tokenizer import copy_tokenizer, save_tokenizer, special_token_ids, train_bpe
+
+# torch, the model and the tokenizer are imported where they are used: `specdecode --help` reads this module's
+# defaults.
 
 VOCAB_SIZE = 8192
 SEQ_LEN = 512
@@ -35,6 +31,8 @@ DISTILL_CE_WEIGHT = 0.1
 
 
 def model_config(shape: dict, tokenizer_dir: Path, max_len: int) -> ModelConfig:
+    from specdecode.model.tokenizer import Tokenizer
+
     ids = json.loads((Path(tokenizer_dir) / "generation_config.json").read_text())
     vocab = Tokenizer(tokenizer_dir).vocab_size
     return ModelConfig(vocab_size=vocab, max_position_embeddings=max_len, tie_word_embeddings=True,
@@ -44,6 +42,11 @@ def model_config(shape: dict, tokenizer_dir: Path, max_len: int) -> ModelConfig:
 
 def export(model, tokenizer_dir: Path, out_dir: Path) -> None:
     """The Hugging Face directory: bfloat16 safetensors + config + tokenizer files."""
+    import torch
+
+    from specdecode.model.loading import save_model
+    from specdecode.train.tokenizer import copy_tokenizer
+
     save_model(model, out_dir, dtype=torch.bfloat16)
     copy_tokenizer(tokenizer_dir, out_dir)
 
@@ -68,6 +71,8 @@ class StageLog:
 
 
 def run_tokenizer_stage(train_docs, out_dir: Path, vocab_size: int, max_len: int) -> float:
+    from specdecode.train.tokenizer import save_tokenizer, train_bpe
+
     started = time.time()
     tok = train_bpe((d.text for d in train_docs), vocab_size=vocab_size)
     save_tokenizer(tok, out_dir, model_max_length=max_len)
@@ -75,6 +80,8 @@ def run_tokenizer_stage(train_docs, out_dir: Path, vocab_size: int, max_len: int
 
 
 def run_lm_stage(config: ModelConfig, tokens, cfg: loop.TrainConfig, run_dir: Path, resume: bool):
+    from specdecode.train.lm import cross_entropy_loss, init_model
+
     model = init_model(config, cfg.seed)
     summary = loop.train(model, cross_entropy_loss, tokens, cfg, run_dir, resume=resume, desc="target")
     return model, summary
@@ -82,6 +89,9 @@ def run_lm_stage(config: ModelConfig, tokens, cfg: loop.TrainConfig, run_dir: Pa
 
 def run_distill_stage(target, config: ModelConfig, tokens, cfg: loop.TrainConfig, run_dir: Path, resume: bool,
                       ce_weight: float):
+    from specdecode.train.distill import make_distill_loss
+    from specdecode.train.lm import init_model
+
     draft = init_model(config, cfg.seed)
     loss_fn = make_distill_loss(target, ce_weight=ce_weight)
     summary = loop.train(draft, loss_fn, tokens, cfg, run_dir, resume=resume, desc="draft")
@@ -92,6 +102,9 @@ def run_all(out_dir: Path, run_dir: Path, corpus: Path, resume: bool, heldout_fr
             target_train: loop.TrainConfig = TARGET_TRAIN, draft_train: loop.TrainConfig = DRAFT_TRAIN,
             target_shape: dict = TARGET_SHAPE, draft_shape: dict = DRAFT_SHAPE, vocab_size: int = VOCAB_SIZE,
             eval_tokens: int = 131072, command: str = "", pattern: str = "*.py") -> dict:
+    from specdecode.model.loading import load_model
+    from specdecode.model.tokenizer import Tokenizer
+
     out_dir, run_dir = Path(out_dir), Path(run_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     run_dir.mkdir(parents=True, exist_ok=True)

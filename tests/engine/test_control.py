@@ -3,6 +3,7 @@ import random
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from specdecode.engine.step import StepReport
 from specdecode.sampling import SamplingParams
@@ -215,6 +216,51 @@ def test_measure_costs_on_a_real_model(tiny_models):
         assert costs.target[k].xs == [1, 2, 3]
         assert all(0 < t < 5 for t in costs.target[k].ys)
     assert costs.draft.xs == [1, 2, 3] and all(t > 0 for t in costs.draft.ys)
+
+
+class CountingModel:
+    """A stand-in target for start-up timing: counts its passes and their shapes; each costs rows x width."""
+
+    device = torch.device("cpu")
+
+    def __init__(self):
+        self.shapes = []
+
+    def make_cache(self, slots, max_len):
+        return SimpleNamespace(lengths=torch.zeros(slots, dtype=torch.long), slots=slots, max_len=max_len)
+
+    def __call__(self, ids, cache, slots, **_):
+        assert ids.shape[0] <= cache.slots and ids.shape[1] < cache.max_len
+        self.shapes.append(tuple(ids.shape))
+        return SimpleNamespace(logits=torch.zeros(*ids.shape, 2))
+
+
+def test_start_up_timing_is_bounded_whatever_the_sizes(monkeypatch):
+    """The largest K and batch the flags allow: a subset of draft lengths, no pass over MAX_CALIBRATED_TOKENS, and
+    once the time budget is spent nothing new is started (counted in passes, not seconds)."""
+    from specdecode.spec import control
+
+    clock = [0.0]
+    monkeypatch.setattr(control.time, "perf_counter", lambda: clock[0])
+    model = CountingModel()
+    original = control._timed_pass
+
+    def timed(m, cache, batch, width, context):  # a fake clock: each pass takes rows x width microseconds
+        original(m, cache, batch, width, context)
+        clock[0] += batch * width * 1e-6
+        return batch * width * 1e-6
+
+    monkeypatch.setattr(control, "_timed_pass", timed)
+    costs = measure_costs(model, None, max_batch=4096, max_k=64, nodes_per_level=4, repeats=3, budget_seconds=1e9)
+    assert len(model.shapes) < 400 and max(b * w for b, w in model.shapes) <= control.MAX_CALIBRATED_TOKENS
+    assert len(costs.target) == 65
+    for b in (1, 7, 64, 4096):  # every draft length and batch has a cost, rising with both
+        row = [costs.target_time(b, k) for k in range(65)]
+        assert all(x <= y for x, y in zip(row, row[1:])) and row[0] > 0
+    assert costs.target_time(4096, 64) > costs.target_time(64, 64) > costs.target_time(1, 64)
+    model.shapes.clear()
+    measure_costs(model, None, max_batch=4096, max_k=64, nodes_per_level=4, repeats=3, budget_seconds=0.0)
+    assert model.shapes == [(1, 1)] * 2  # out of time at once: one warm-up and one timed pass of the cheapest
 
 
 class FrozenCosts(CostModel):

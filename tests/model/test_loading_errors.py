@@ -162,3 +162,18 @@ def test_reduced_precision_checkpoint_upcast(tiny_models, tmp_path):
     assert loaded.dtype == torch.float32
     expected = model.model.embed_tokens.weight.to(torch.bfloat16).float()
     assert torch.equal(loaded.model.embed_tokens.weight, expected)
+
+
+def test_loading_builds_without_random_init_or_dynamo(tiny_models, tmp_path):
+    """load_model builds on the meta device (no storage, no random init) and assigns the weights: nothing on that
+    path may reach a meta-tensor decomposition, whose first use imports torch._dynamo (over a second per start)."""
+    import subprocess
+    import sys
+
+    script = ("import sys, torch; from specdecode.model.loading import load_model; "
+              f"model = load_model({str(tiny_models['target'])!r}, dtype='float32', device='cpu'); "
+              "assert all(t.device.type == 'cpu' for t in [*model.parameters(), *model.buffers()]); "
+              "print('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"

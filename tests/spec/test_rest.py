@@ -124,6 +124,28 @@ def test_greedy_is_exact_and_drafts_are_accepted(tiny_models, tiny_datastore, ba
     assert len(stats.accepted_per_pos) >= 3
 
 
+def test_generate_with_a_damaged_datastore_exits_2_with_one_line(tiny_models, tiny_datastore, tmp_path, capsys):
+    """Ids past the vocabulary where the prompt's greedy continuation is drafted from: refused at load (this
+    drafted them into the embedding, an IndexError traceback)."""
+    import shutil
+
+    import numpy as np
+
+    folder = shutil.copytree(tiny_datastore, tmp_path / "ds")
+    tokenizer = Tokenizer(tiny_models["target"])
+    prompt = tokenizer.encode("def add(a, b):")
+    tokens = np.load(folder / "tokens.npy")
+    end = int(np.flatnonzero(tokens == tokenizer.eos_token_ids[0])[0])  # the first answer's end
+    tokens[len(prompt) + 2:end] = tokenizer.vocab_size
+    np.save(folder / "tokens.npy", tokens)
+    code = main(["generate", "def add(a, b):", "--model", str(tiny_models["target"]), "--speculative-model",
+                 str(folder), "--max-tokens", "16", "--dtype", "float32", "--no-adaptive"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith(f"error: {folder / 'tokens.npy'} holds token id {tokenizer.vocab_size}, outside") and \
+        err.count("\n") == 1 and "specdecode datastore build" in err, err
+
+
 def test_rest_without_a_datastore_says_what_to_pass(tiny_models):
     with pytest.raises(ConfigError, match="specdecode datastore build"):
         LLM(str(tiny_models["target"]), dtype="float32", speculative_config={"method": "rest"})
