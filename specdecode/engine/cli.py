@@ -20,12 +20,13 @@ from specdecode.models.registry import (DEFAULT_MODEL, MODELS, default_speculati
 from specdecode.spec.config import METHODS, TREE_METHODS, with_shipped_speculator
 
 
-def add_model_args(p) -> None:
-    """--model, --dtype, --device, --threads and the speculative flags (shared by generate, chat and serve)."""
+def add_model_args(p, dtype: str = "auto", adaptive: bool = True) -> None:
+    """--model, --dtype, --device, --threads and the speculative flags (shared by generate, chat, serve, plan and
+    certify). dtype: the command's default; adaptive: whether it offers --adaptive/--no-adaptive."""
     p.add_argument("--model", default=None,
                    help=f"a model name ({', '.join(MODELS)}; fetched on first use), a .gguf file, or a Hugging Face "
                         f"checkpoint directory (default: {DEFAULT_MODEL})")
-    add_device_args(p)
+    add_device_args(p, dtype)
     p.add_argument("--threads", type=THREADS, default=None,
                    help="CPU threads for torch (default: torch's choice; 1 is faster on a busy machine)")
     spec = p.add_argument_group("speculative decoding")
@@ -42,16 +43,18 @@ def add_model_args(p) -> None:
     spec.add_argument("--num-drafts", type=int_range(1, 16), default=None,
                       help="draft_model: chains per step, 1-16 (default 1)")
     spec.add_argument("--no-speculation", action="store_true", help="plain decoding")
-    spec.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
-                      help="choose K per step from measured costs and acceptance, 0 while drafts do not pay "
-                           "(default); --no-adaptive always drafts K tokens")
+    if adaptive:
+        spec.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
+                          help="choose K per step from measured costs and acceptance, 0 while drafts do not pay "
+                               "(default); --no-adaptive always drafts K tokens")
 
 
-def add_device_args(p) -> None:
-    """--dtype and --device (shared by every command that loads a model)."""
-    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
-                   help="auto (default: bfloat16 on CUDA and on CPUs with native bfloat16, else float32), float32, "
-                        "bfloat16 or float16")
+def add_device_args(p, dtype: str = "auto") -> None:
+    """--dtype and --device (shared by every command that loads a model); dtype: the command's default."""
+    auto = "bfloat16 on CUDA and on CPUs with native bfloat16, else float32"
+    p.add_argument("--dtype", default=dtype, choices=DTYPE_CHOICES,
+                   help=", ".join(f"{name} (default{': ' + auto if name == 'auto' else ''})" if name == dtype else
+                                  f"{name} ({auto})" if name == "auto" else name for name in DTYPE_CHOICES))
     p.add_argument("--device", default=None, type=_device,
                    help="cpu, cuda, cuda:1, ... (default: cuda if available, else cpu)")
 

@@ -116,10 +116,14 @@ def memory_defaults(args, device) -> None:
 def size_batch(args, model_dir, config) -> None:
     """Set args.max_num_seqs from the capacity plan: as many as fit (at most DEFAULT_MAX_NUM_SEQS) when it was not
     given; a --max-num-seqs or --max-model-len that does not fit is refused here, before the model loads."""
-    from specdecode.model.loading import resolve_device
+    from specdecode.model.loading import read_config, resolve_device
     from specdecode.plan import memory_budget_bytes, plan_memory
     from specdecode.spec.config import SpeculativeConfig, with_shipped_speculator
 
+    context = read_config(model_dir).max_position_embeddings
+    if args.max_model_len is not None and args.max_model_len > context:
+        raise ConfigError(f"--max-model-len {args.max_model_len} is longer than the model's context ({context}); "
+                          f"lower it to {context} or less")
     device = resolve_device(args.device)
     memory_defaults(args, device)
     budget = memory_budget_bytes(device, scaleout_kwargs(args)["memory_budget"], args.gpu_memory_utilization)
@@ -168,8 +172,6 @@ def configuration_line(llm, name: str, args) -> str:
 
 
 def cmd_serve(args) -> int:
-    import uvicorn
-
     from specdecode.engine.async_engine import STALL_TIMEOUT, AsyncEngine
     from specdecode.engine.cli import resolve_models, set_threads
     from specdecode.engine.llm import LLM
@@ -204,20 +206,24 @@ def cmd_serve(args) -> int:
     engine = AsyncEngine(llm, max_waiting=args.max_waiting, stall_timeout=args.stall_timeout or STALL_TIMEOUT)
     app = build_app(engine, name, api_key=key, limits=limits, allowed_hosts=allowed_hosts(args))
     engine.start()
-    line = configuration_line(llm, name, args)
+    try:
+        run_uvicorn(app, args.host, args.port, args.log_level, ready_line=configuration_line(llm, name, args),
+                    **uvicorn_options(limits))
+    finally:
+        engine.shutdown()
+    return 0
+
+
+def run_uvicorn(app, host: str, port: int, log_level: str, ready_line: str = "", **options) -> None:
+    """Serve app until stopped; once the socket listens, print ready_line and the URL (port 0: the one chosen)."""
+    import uvicorn
 
     class Server(uvicorn.Server):
         async def startup(self, sockets=None):
             await super().startup(sockets)
-            if self.started:
-                host = f"[{args.host}]" if ":" in args.host else args.host
-                print(f"specdecode serve: {line}; ready at http://{host}:{self.servers[0].sockets[0].getsockname()[1]}"
-                      if self.servers and self.servers[0].sockets else f"specdecode serve: {line}; ready",
-                      flush=True)
+            if self.started and self.servers and self.servers[0].sockets:
+                bound = self.servers[0].sockets[0].getsockname()[1]
+                url = f"http://{f'[{host}]' if ':' in host else host}:{bound}"
+                print(f"specdecode serve: {ready_line}; ready at {url}", flush=True)
 
-    try:
-        Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                              **uvicorn_options(limits))).run()
-    finally:
-        engine.shutdown()
-    return 0
+    Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, **options)).run()

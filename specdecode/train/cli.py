@@ -166,7 +166,8 @@ def _head_command(kind: str):
 def register(sub) -> None:
     from specdecode.models import DEFAULT_DRAFT_DIR, DEFAULT_TARGET_DIR
 
-    train = sub.add_parser("train", help="train a tokenizer, a target model or a distilled draft")
+    train = sub.add_parser("train", help="train speculators (eagle, medusa, draft from cached features), a tokenizer, "
+                                         "a target model or a distilled draft")
     stages = train.add_subparsers(dest="stage", required=True, metavar="STAGE")
 
     p = stages.add_parser("tokenizer", help="train a byte-level BPE tokenizer on a folder of text")

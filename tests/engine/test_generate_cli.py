@@ -14,9 +14,7 @@ def run(capsys, *argv):
 
 
 def test_help_lists_generate(capsys):
-    with pytest.raises(SystemExit) as info:
-        main(["--help"])
-    assert info.value.code == 0
+    assert main(["--help"]) == 0
     assert "generate" in capsys.readouterr().out
 
 
@@ -56,18 +54,40 @@ def test_sampling_flags(tiny_models, capsys):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--top-p", "1.5"], "top_p must be in (0, 1]"),
-    (["--max-tokens", "0"], "max_tokens must be a positive integer"),
-    (["--dtype", "flaot16"], "dtype 'flaot16' is not supported"),
+    (["--top-p", "1.5"], "argument --top-p: must be a number in (0, 1], got 1.5"),
+    (["--max-tokens", "0"], "argument --max-tokens: must be an integer between 1 and"),
+    (["--dtype", "flaot16"], "argument --dtype: invalid choice: 'flaot16'"),
     (["--compare"], "--compare needs a speculative method"),
-    (["--threads", "0"], "--threads must be >= 1"),
+    (["--threads", "0"], "argument --threads: must be an integer between 1 and"),
     (["--no-speculation", "--num-speculative-tokens", "3"], "--no-speculation contradicts"),
-    (["--speculative-method", "ngram", "--speculative-model", "x"], "apply to --speculative-method draft_model"),
+    (["--speculative-method", "ngram", "--speculative-model", "."], "apply to --speculative-method draft_model"),
+    (["--num-speculative-tokens", "1000"], "argument --num-speculative-tokens: must be an integer between 1 and 64"),
+    (["--num-speculative-tokens", "0"], "argument --num-speculative-tokens: must be an integer between 1 and 64"),
+    (["--speculative-method", "nope"], "argument --speculative-method: invalid choice: 'nope'"),
+    (["--speculative-model", "/no/such/draft"], "argument --speculative-model: /no/such/draft does not exist"),
+    (["--speculative-method", "draft_model", "--speculative-model", "/"], "--speculative-model /: not a draft"),
+    (["--speculative-method", "eagle", "--speculative-model", "/"], "--speculative-model /: not a speculator"),
+    (["--seed", "-1"], "argument --seed: must be an integer between 0 and"),
+    (["--device", "cuda:7"], "argument --device: cuda:7:"),
 ])
-def test_bad_flags_exit_2_with_one_line(tiny_models, capsys, extra, message):
+def test_bad_flags_exit_2_with_one_line_before_anything_loads(tiny_models, capsys, monkeypatch, extra, message):
+    from specdecode.engine import llm
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the flags were checked")
+
+    monkeypatch.setattr(llm, "load_model", refuse)
     code, out, err = run(capsys, "x", "--model", tiny_models["target"], *extra)
     assert code == 2
-    assert err.startswith("error: ") and message in err and err.count("\n") == 1
+    assert "error: " in err and message in err and err.count("\n") == 1, err
+
+
+def test_an_empty_prompt_is_refused_before_anything_loads(tiny_models, capsys, monkeypatch):
+    from specdecode.engine import llm
+
+    monkeypatch.setattr(llm, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
+    code, out, err = run(capsys, "", "--model", tiny_models["target"])
+    assert code == 2 and "the prompt is empty" in err and err.count("\n") == 1
 
 
 def test_missing_model_dir(tmp_path, capsys):

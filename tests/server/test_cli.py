@@ -2,12 +2,12 @@
 otherwise, and takes its API key from a flag, a file or the environment."""
 import argparse
 import asyncio
+import re
 
 import httpx
 import pytest
-import uvicorn
-
 from specdecode.cli import build_parser, main
+from specdecode.server import cli as server_cli
 from specdecode.errors import ConfigError
 from specdecode.server.cli import API_KEY_ENV, api_key
 
@@ -18,8 +18,8 @@ def serve(tiny_models, monkeypatch, *flags, env=None):
     for name, value in (env or {}).items():
         monkeypatch.setenv(name, value)
 
-    def fake_run(app, host, port, log_level, **options):
-        seen.update(host=host, port=port, options=options)
+    def fake_run(app, host, port, log_level, ready_line, **options):
+        seen.update(host=host, port=port, options=options, ready_line=ready_line)
 
         async def ask():
             transport = httpx.ASGITransport(app=app)
@@ -33,7 +33,7 @@ def serve(tiny_models, monkeypatch, *flags, env=None):
 
         asyncio.run(ask())
 
-    monkeypatch.setattr(uvicorn, "run", fake_run)
+    monkeypatch.setattr(server_cli, "run_uvicorn", fake_run)
     code = main(["serve", "--model", str(tiny_models["target"]), "--dtype", "float32", *flags])
     return code, seen
 
@@ -99,7 +99,8 @@ def test_an_empty_api_key_is_a_clear_cli_error(tiny_models, capsys):
 
 def test_bad_limits_are_cli_errors(tiny_models, capsys):
     assert main(["serve", "--model", str(tiny_models["target"]), "--max-body-bytes", "0"]) == 2
-    assert "--max-body-bytes must be a positive number" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "argument --max-body-bytes: must be an integer between" in err and len(err.strip().splitlines()) == 1
 
 
 def test_serve_rejects_contradictory_flags(tiny_models, capsys):
@@ -112,3 +113,36 @@ def test_serve_rejects_contradictory_flags(tiny_models, capsys):
 def test_adaptive_flag_parses(flag):
     args = build_parser().parse_args(["serve", flag])
     assert args.adaptive == (flag == "--adaptive")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--max-num-seqs", "0"], "argument --max-num-seqs: must be an integer between 1 and"),
+    (["--port", "70000"], "argument --port: must be an integer between 0 and 65535"),
+    (["--memory-fraction", "0"], "argument --memory-fraction: must be a number in (0, 1]"),
+    (["--max-num-seqs", "1000", "--memory-budget", "0.05"], "lower --max-num-seqs to"),
+    (["--max-model-len", "100000000"], "longer than the model's context"),
+    (["--memory-budget", "0.000001"], "not even one sequence"),
+])
+def test_serve_refuses_bad_sizes_before_the_model_loads(tiny_models, capsys, monkeypatch, flags, message):
+    from specdecode.engine import llm
+
+    monkeypatch.setattr(llm, "load_model", lambda *a, **k: pytest.fail("loaded the model before refusing"))
+    assert main(["serve", "--model", str(tiny_models["target"]), "--dtype", "float32", *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_serve_sizes_its_batch_from_the_memory_available(tiny_models, monkeypatch):
+    """Without --max-num-seqs: as many sequences as the plan fits in --memory-fraction of what is available (at
+    most 32); the ready line says what was chosen."""
+    from specdecode.server import cli as server_cli
+
+    monkeypatch.setattr("specdecode.hardware.available_memory", lambda: 64 * 2**20)
+    code, seen = serve(tiny_models, monkeypatch, "--max-model-len", "256", "--memory-fraction", "0.5", "--no-speculation")
+    assert code == 0
+    lines = re.search(r"(\d+) sequences x 256 positions", seen["ready_line"])
+    chosen = int(lines.group(1))
+    assert 1 <= chosen < server_cli.DEFAULT_MAX_NUM_SEQS and "of 0.1 GiB available" in seen["ready_line"]
+    code, seen = serve(tiny_models, monkeypatch, "--max-model-len", "256", "--memory-fraction", "0.5",
+                       "--no-speculation", "--max-num-seqs", str(chosen))
+    assert code == 0 and f"{chosen} sequences" in seen["ready_line"]
