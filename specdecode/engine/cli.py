@@ -221,12 +221,14 @@ def _stream(llm, prompt: str, params, label: str | None = None, echo: bool = Tru
     if echo:
         print(prompt, end="", flush=True)
     start = time.perf_counter()
+    pieces = []
     for delta in llm.stream(prompt, params):
         print(delta, end="", flush=True)
+        pieces.append(delta)
     elapsed = time.perf_counter() - start
     print()
     stats = llm.last_stats
-    return stats.emitted_tokens / elapsed, stats
+    return stats.emitted_tokens / elapsed, stats, "".join(pieces)
 
 
 def _spec_summary(stats, config: dict) -> str:
@@ -234,6 +236,23 @@ def _spec_summary(stats, config: dict) -> str:
     return (f"{config['method']}, {f'adaptive K<={k}' if config.get('adaptive', True) else f'K={k}'}: "
             f"acceptance rate {stats.acceptance_rate:.1%}, "
             f"{stats.mean_accepted_len:.2f} tokens per step")
+
+
+def compare_difference(plain: str, speculative: str, params, dtype) -> str:
+    """Why the plain and speculative texts of --compare differ, where they part."""
+    import torch
+
+    same = next((i for i, (a, b) in enumerate(zip(plain, speculative)) if a != b), min(len(plain), len(speculative)))
+    where = f"the texts differ from character {same}"
+    if params.temperature > 0:
+        return (f"{where}: sampling at temperature {params.temperature:g}, plain and speculative decoding draw "
+                "different random numbers (both follow the same distribution; certify tests it)")
+    if dtype != torch.float32:
+        name = str(dtype).removeprefix("torch.")
+        return (f"{where}: in {name}, verifying several tokens in one pass and decoding one at a time round "
+                "differently (different matrix kernels), so where two tokens are almost tied the greedy choice can "
+                "flip; in float32 greedy speculative output is identical to plain decoding (--dtype float32)")
+    return f"{where}: in float32 greedy outputs must be identical; this is a bug, please report it with the command"
 
 
 def cmd_generate(args) -> int:
@@ -251,7 +270,7 @@ def cmd_generate(args) -> int:
         prompt = llm.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
     try:
         if not args.compare:
-            tps, stats = _stream(llm, prompt, params, echo=not args.chat)
+            tps, stats, _ = _stream(llm, prompt, params, echo=not args.chat)
             line = f"{stats.emitted_tokens} tokens, {tps:.1f} tokens/s"
             if config is not None:
                 line += f" ({_spec_summary(stats, config)})"
@@ -261,10 +280,12 @@ def cmd_generate(args) -> int:
         # Warm both paths up so that neither timed run pays one-time start-up costs.
         llm.generate(prompt, dataclasses.replace(plain_params, max_tokens=2))
         llm.generate(prompt, dataclasses.replace(params, max_tokens=2))
-        plain_tps, _ = _stream(llm, prompt, plain_params, "plain", echo=not args.chat)
-        spec_tps, stats = _stream(llm, prompt, params, "speculative", echo=not args.chat)
+        plain_tps, _, plain_text = _stream(llm, prompt, plain_params, "plain", echo=not args.chat)
+        spec_tps, stats, spec_text = _stream(llm, prompt, params, "speculative", echo=not args.chat)
         print(f"plain: {plain_tps:.1f} tokens/s | speculative: {spec_tps:.1f} tokens/s "
               f"({_spec_summary(stats, config)}) | speedup {spec_tps / plain_tps:.2f}x")
+        if spec_text != plain_text:
+            print(compare_difference(plain_text, spec_text, params, llm.target.dtype))
         return 0
     except KeyboardInterrupt:
         print()

@@ -158,3 +158,15 @@ def test_default_model_answers(smollm2, capsys):
                          "float32", "--no-speculation")
     assert code == 0 and out.startswith("The capital of France is Paris.")
     assert re.fullmatch(r"\d+ tokens, [\d.]+ tokens/s", out.strip().splitlines()[-1])
+
+
+def test_compare_says_why_two_texts_differ():
+    import torch
+
+    from specdecode.engine.cli import compare_difference
+    from specdecode.sampling import SamplingParams
+
+    greedy, sampled = SamplingParams(temperature=0), SamplingParams(temperature=0.8)
+    assert "from character 4: in bfloat16" in compare_difference("abc d", "abc e", greedy, torch.bfloat16)
+    assert "different random numbers" in compare_difference("ab", "ac", sampled, torch.bfloat16)
+    assert "this is a bug" in compare_difference("ab", "abc", greedy, torch.float32)
