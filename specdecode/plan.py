@@ -288,7 +288,7 @@ def cmd_plan(args) -> int:
                        args.headroom)
     method = config["method"] if config else "none"
     print(f"{name}, speculation: {method}, tensor parallel: {args.tensor_parallel_size}, "
-          f"{args.device_memory:g} GiB per rank")
+          f"{args.device_memory:.4g} GiB per rank")
     print(plan.render())
     if not plan.fits:
         print(f"does not fit: {plan.refusal()}")
