@@ -16,7 +16,7 @@ from specdecode.bench.sweep import adaptive_sweep, markdown_table
 
 
 def main() -> None:
-    from specdecode.models import DEFAULT_DRAFT_DIR, DEFAULT_TARGET_DIR
+    from specdecode.catalog import DEFAULT_DRAFT_DIR, DEFAULT_TARGET_DIR
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", type=Path, default=DEFAULT_TARGET_DIR)

@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from specdecode import LLM, SamplingParams
 from specdecode.bench.tables import method_table
-from specdecode.train import sharegpt, speculators
+from specdecode.catalog import sharegpt, speculators
 
 
 def heldout_prompts(tokenizer, n: int, max_prompt_tokens: int) -> list[list[int]]:

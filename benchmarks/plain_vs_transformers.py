@@ -32,7 +32,7 @@ PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n
 def tokenizer_dir(workdir: Path, vocab_size: int) -> Path:
     """The bundled tokenizer if there is one, else a byte-level BPE trained on a few standard-library files."""
     try:
-        from specdecode.models import DEFAULT_TARGET_DIR
+        from specdecode.catalog import DEFAULT_TARGET_DIR
     except ImportError:
         DEFAULT_TARGET_DIR = None
     if DEFAULT_TARGET_DIR is not None and (Path(DEFAULT_TARGET_DIR) / "tokenizer.json").is_file():

@@ -38,7 +38,7 @@ def configs(draft: str, ks: list[int]) -> list[tuple[str, str, dict]]:
 
 
 def main() -> None:
-    from specdecode.models import DEFAULT_DRAFT_DIR, DEFAULT_TARGET_DIR
+    from specdecode.catalog import DEFAULT_DRAFT_DIR, DEFAULT_TARGET_DIR
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=str(DEFAULT_TARGET_DIR))

@@ -16,13 +16,13 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from specdecode.argtypes import GIB, MAX_NUM_SEQS, float_range, int_range
-from specdecode.dist.flags import GiB
 from specdecode.errors import ConfigError
 from specdecode.model.config import ModelConfig
 
 if TYPE_CHECKING:  # torch and the loader are imported where they are used: `specdecode --help` imports this module
     import torch
+
+GiB = 1024 ** 3
 
 DEFAULT_HEADROOM = 0.15
 """Fraction of the budget never planned for (the seeds' advice: keep 15-20%)."""
@@ -167,7 +167,7 @@ def plan_memory(model_dir: str | Path, budget: int, max_model_len: int | None, m
                 speculative=None, dtype: str = "auto", device: str | None = None, tensor_parallel_size: int = 1,
                 headroom: float = DEFAULT_HEADROOM, quantization: str | None = None) -> MemoryPlan:
     """The plan of a configuration (speculative: a parsed SpeculativeConfig or None)."""
-    from specdecode.dist.tp import check_divisible
+    from specdecode.parallel.tp import check_divisible
     from specdecode.model.linear import resolve_backend
     from specdecode.model.loading import read_config, resolve_device, resolve_dtype
 
@@ -186,12 +186,13 @@ def plan_memory(model_dir: str | Path, budget: int, max_model_len: int | None, m
     tree = speculative.tree_size if speculative is not None else 0
     target = model_memory(config, itemsize, kv_itemsize, packed, tensor_parallel_size, tree + 2)
     draft = Memory(0)
-    if speculative is not None and speculative.method == "draft_model":
-        extra = tree + 2 + 2 + speculative.num_drafts * speculative.num_speculative_tokens  # see DraftModelProposer
-        draft = model_memory(read_config(speculative.model), itemsize, kv_itemsize, packed, 1, extra)
-    elif speculative is not None and speculative.method in ("eagle", "medusa"):
-        extra = tree + 2 + speculative.eagle_topk * speculative.max_depth + 2  # see EagleProposer.ensure_cache
-        draft = head_memory(Path(speculative.model), config, itemsize, kv_itemsize, packed, extra)
+    counted = speculative.method_info.draft_memory if speculative is not None else None
+    if counted is not None:
+        extra = tree + 2 + speculative.method_info.cache_margin(speculative)  # the proposer's own cache rows
+        if counted == "decoder":  # a draft checkpoint
+            draft = model_memory(read_config(speculative.model), itemsize, kv_itemsize, packed, 1, extra)
+        else:  # "heads": a speculator directory
+            draft = head_memory(Path(speculative.model), config, itemsize, kv_itemsize, packed, extra)
     d, tp = config.hidden_size, tensor_parallel_size
     qkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim // tp
     per_token = (5 * d + qkv + 3 * config.intermediate_size // tp) * itemsize  # a layer's live tensors
@@ -254,43 +255,3 @@ def device_memory(device: torch.device) -> int:
     if available is None:
         raise ConfigError("cannot read how much memory this machine has; give --device-memory GiB")
     return available
-
-
-def register(sub) -> None:
-    from specdecode.engine.cli import add_model_args
-
-    p = sub.add_parser("plan", help="capacity plan: memory of a serving configuration, the largest batch that fits",
-                       description="Print the memory per rank of the target, the draft or heads, the KV cache and "
-                                   "activations, the headroom left and the largest batch that fits DEVICE_MEMORY; "
-                                   "exit with status 1 if the configuration does not fit.")
-    add_model_args(p)
-    p.add_argument("--max-model-len", type=int_range(2), default=None, help="positions per sequence (default: the model's)")
-    p.add_argument("--max-num-seqs", type=MAX_NUM_SEQS, default=32, help="sequences decoded at once (default 32)")
-    p.add_argument("--device-memory", type=GIB, default=None, metavar="GiB",
-                   help="memory per device (rank) (default: a CUDA device's total memory; on a CPU, the memory "
-                        "available now)")
-    p.add_argument("--tensor-parallel-size", type=int_range(1, 1024), default=1, help="ranks the target is sharded over")
-    p.add_argument("--headroom", type=float_range(0.0, 1.0, hi_open=True), default=DEFAULT_HEADROOM,
-                   help=f"fraction of the memory never planned for (default {DEFAULT_HEADROOM})")
-    p.set_defaults(func=cmd_plan, compare=False)
-
-
-def cmd_plan(args) -> int:
-    from specdecode.engine.cli import resolve_models
-    from specdecode.model.loading import resolve_device
-    from specdecode.spec.config import SpeculativeConfig
-
-    model_dir, config, name = resolve_models(args)
-    if args.device_memory is None:
-        args.device_memory = device_memory(resolve_device(args.device)) / GiB
-    plan = plan_memory(model_dir, int(args.device_memory * GiB), args.max_model_len, args.max_num_seqs,
-                       SpeculativeConfig.parse(config), args.dtype, args.device, args.tensor_parallel_size,
-                       args.headroom)
-    method = config["method"] if config else "none"
-    print(f"{name}, speculation: {method}, tensor parallel: {args.tensor_parallel_size}, "
-          f"{args.device_memory:.4g} GiB per rank")
-    print(plan.render())
-    if not plan.fits:
-        print(f"does not fit: {plan.refusal()}")
-        return 1
-    return 0

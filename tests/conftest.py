@@ -75,7 +75,7 @@ def tiny_models(tmp_path_factory):
 def smollm2():
     """The GGUF of SmolLM2-135M-Instruct, fetched once per run through the project's own pull code into
     $SPECDECODE_CACHE (CI points it at a folder it keeps for the run; default ~/.cache/specdecode)."""
-    from specdecode.models.registry import DEFAULT_MODEL, pull
+    from specdecode.catalog.registry import DEFAULT_MODEL, pull
 
     return pull(DEFAULT_MODEL, quiet=True)
 
@@ -86,7 +86,7 @@ def no_unexpected_download(request, monkeypatch, tmp_path_factory):
     to the default model by mistake fails loudly instead of fetching 93 MB."""
     if "smollm2" in request.fixturenames:
         return
-    from specdecode.models import registry
+    from specdecode.catalog import registry
 
     def refuse(*args, **kwargs):
         raise AssertionError("this test tried to download a named model; ask for the smollm2 fixture or pass "

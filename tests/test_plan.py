@@ -8,9 +8,9 @@ from specdecode.cli import main
 from specdecode.engine.llm import LLM
 from specdecode.errors import ConfigError
 from specdecode.plan import GiB, cache_bytes, module_bytes, plan_memory
-from specdecode.spec.heads import EagleHead
+from specdecode.speculation.heads import EagleHead
 
-from tests.spec.heads_fixtures import load_target, save_speculator
+from tests.speculation.heads_fixtures import load_target, save_speculator
 
 MiB = 1024 ** 2
 

@@ -30,13 +30,12 @@ from specdecode.engine.llm import LLM
 from specdecode.errors import ConfigError
 from specdecode.hardware import cpu_name
 from specdecode.model.loading import resolve_device
-from specdecode.models.registry import DEFAULT_MODEL, MODELS, resolve_model, shipped_speculator
+from specdecode.catalog.registry import DEFAULT_MODEL, MODELS, resolve_model, shipped_speculator
 from specdecode.sampling import SamplingParams
+from specdecode.speculation import methods
 
-METHODS = ("draft_model", "eagle", "medusa", "ngram", "lookahead", "rest")
-"""Speculative methods of the per-request table (vLLM's names), each besides plain decoding."""
-NEEDS_NOTHING = ("ngram", "lookahead")
-"""Methods that need no speculator, so they run on any model."""
+METHODS = methods.names()
+"""Speculative methods of the per-request table (the registry's: vLLM's names), each besides plain decoding."""
 PEERS = ("hf_plain", "hf_assisted", "hf_prompt_lookup")
 ALL = "all"
 """The key under which every category's prompts are summed."""
@@ -134,9 +133,10 @@ class BenchConfig:
         return name in MODELS and not Path(name).exists()
 
     def has_speculator(self, method: str) -> bool:
-        if method in NEEDS_NOTHING or method in self.speculators:
+        kind = methods.get(method).model
+        if kind is None or method in self.speculators:  # (kind None: it needs no speculator)
             return True
-        if method == "rest":  # the default model's datastore is built on first use
+        if kind == "datastore":  # the default model's datastore is built on first use
             return self.named
         return self.named and shipped_speculator(self.model, method) is not None
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from specdecode.bench.workloads import load_workload
 from specdecode.engine.llm import LLM
 from specdecode.sampling import SamplingParams
-from specdecode.spec.control import SpecController
+from specdecode.speculation.control import SpecController
 
 
 def _timed_generate(llm: LLM, prompts: list, max_tokens: int) -> dict:

@@ -67,7 +67,7 @@ def build_prompts(heldout_files: list[str], corpus: Path) -> dict[str, list[str]
 
 
 def main() -> None:
-    from specdecode.models import MODELS_DIR
+    from specdecode.catalog import MODELS_DIR
 
     heldout = json.loads((MODELS_DIR / "heldout.json").read_text())
     corpus = Path(sysconfig.get_paths()["stdlib"])

@@ -42,7 +42,7 @@ def prompt_texts(source: str, count: int) -> tuple[list[str], str]:
         raise ConfigError(f"--prompts must be one of {', '.join(SOURCES)}, got {source!r}")
     if source == "builtin" or (source == "auto" and not _sharegpt_cached()):
         return BUILTIN[:count], "builtin"
-    from specdecode.train import sharegpt
+    from specdecode.catalog import sharegpt
 
     texts = []
     for record in sharegpt.iter_records(sharegpt.fetch(quiet=True)):
@@ -57,8 +57,8 @@ def prompt_texts(source: str, count: int) -> tuple[list[str], str]:
 
 
 def _sharegpt_cached() -> bool:
-    from specdecode.models.registry import cache_dir
-    from specdecode.train import sharegpt
+    from specdecode.catalog.registry import cache_dir
+    from specdecode.catalog import sharegpt
 
     dataset = sharegpt._dataset()
     path = cache_dir() / "data" / "sharegpt" / dataset.member.rsplit("/", 1)[-1]

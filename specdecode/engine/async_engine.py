@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from specdecode.engine.llm import LLM
 from specdecode.engine.metrics import EngineMetrics
-from specdecode.engine.scheduler import Scheduler, SchedulerOutput
+from specdecode.engine.scheduler import SchedulerOutput
 from specdecode.engine.sequence import Sequence
 from specdecode.errors import ConfigError
 from specdecode.sampling import SamplingParams, params_tensors
@@ -117,7 +117,7 @@ class AsyncEngine:
             # Fixed K: the cost model still runs, for the realised-speedup gauge.
             llm.controller = llm.make_controller()
             llm.controller.fixed_k = llm.spec_config.num_speculative_tokens
-        self.scheduler = Scheduler(llm, llm.max_num_seqs, isolate_failures=True)
+        self.scheduler = llm.make_scheduler(llm.max_num_seqs, isolate_failures=True)
         self.metrics = EngineMetrics(max_positions=max(tree, 1))
         self._cond = threading.Condition()
         self._incoming: list[RequestStream] = []

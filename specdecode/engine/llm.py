@@ -13,19 +13,20 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specdecode.dist.launch import launch_tensor_parallel
-from specdecode.dist.tp import check_draft_tensor_parallel
+from specdecode.parallel.launch import launch_tensor_parallel
+from specdecode.parallel.tp import check_draft_tensor_parallel
+from specdecode.engine.budget import DraftBudget
 from specdecode.engine.scheduler import Scheduler
 from specdecode.engine.sequence import RequestOutput, Sequence, SpecStats
 from specdecode.engine.step import StepRunner
 from specdecode.errors import ConfigError
 from specdecode.model.loading import load_model, resolve_device
 from specdecode.model.tokenizer import Tokenizer
-from specdecode.models.registry import default_speculative_config, model_name, resolve_model
+from specdecode.catalog.registry import default_speculative_config, model_name, resolve_model
 from specdecode.plan import memory_budget_bytes, plan_memory
 from specdecode.sampling import SamplingParams
-from specdecode.spec.config import SpeculativeConfig, build_proposer, with_shipped_speculator
-from specdecode.spec.control import SpecController, measure_costs
+from specdecode.speculation.config import SpeculativeConfig, build_proposer, with_shipped_speculator
+from specdecode.speculation.control import SpecController, measure_costs
 
 
 class LLM:
@@ -87,7 +88,9 @@ class LLM:
         self.proposer = build_proposer(self.spec_config, self.target, self.tokenizer, dtype, self.device,
                                        self.model_dir)
         self.runner = StepRunner(self.target, self.proposer)
-        self.controller = self.make_controller() if self.spec_config and self.spec_config.adaptive else None
+        controller = self.make_controller() if self.spec_config and self.spec_config.adaptive else None
+        self.draft_budget = DraftBudget(self.spec_config if self.proposer is not None else None,
+                                        self.max_model_len, controller)
         self.total_stats = SpecStats()
         self._ids = itertools.count()
         if budget is not None:  # allocate what the plan counted now, not at the first long request
@@ -118,27 +121,30 @@ class LLM:
         """An adaptive speculation controller, after timing this machine's target passes and draft forwards."""
         config = self.spec_config
         nodes_per_level = config.nodes_per_level
-        costs = measure_costs(self.target, getattr(self.proposer, "model", None), self.max_num_seqs,
+        costs = measure_costs(self.target, self.proposer.draft_network, self.max_num_seqs,
                               config.max_depth, nodes_per_level, widths=config.pass_widths)
         return SpecController(costs, config.max_depth, nodes_per_level, widths=config.pass_widths)
 
+    @property
+    def controller(self) -> SpecController | None:
+        """The adaptive speculation controller (None: fixed K or plain decoding); the draft budget consults it."""
+        return self.draft_budget.controller
+
+    @controller.setter
+    def controller(self, controller: SpecController | None) -> None:
+        self.draft_budget.controller = controller
+
     def budget(self, seq: Sequence, k: int | None = None) -> int:
         """How many draft tokens to verify for this sequence this step (k, default fixed K, capped by what is left)."""
-        if self.proposer is None or not seq.params.use_speculation:
-            return 0
-        k = self.spec_config.num_speculative_tokens if k is None else k
-        left = min(seq.params.max_tokens - seq.num_generated, self.max_model_len - len(seq.token_ids))
-        return max(0, min(k, left - 1))
+        return self.draft_budget.for_sequence(seq, k)
 
     def budgets(self, seqs: list[Sequence]) -> list[int]:
-        """Draft tokens per sequence for one step: the controller's choice (fixed K without one), none at all
-        once disable_by_batch_size sequences run."""
-        config = self.spec_config
-        if self.proposer is None or (config.disable_by_batch_size is not None
-                                     and len(seqs) >= config.disable_by_batch_size):
-            return [0] * len(seqs)
-        k = self.controller.choose(seqs) if self.controller is not None else config.num_speculative_tokens
-        return [self.budget(s, k) for s in seqs]
+        """Draft tokens per sequence for one step (see DraftBudget)."""
+        return self.draft_budget.for_step(seqs)
+
+    def make_scheduler(self, num_slots: int, isolate_failures: bool = False) -> Scheduler:
+        """A scheduler over this engine's runner, draft budget and totals."""
+        return Scheduler(self.runner, self.draft_budget, self.total_stats, num_slots, isolate_failures)
 
     # -- generation -----------------------------------------------------------------------------------------
 
@@ -186,7 +192,7 @@ class LLM:
         tree = self.spec_config.tree_size if self.proposer is not None else 0
         slots = min(len(seqs), self.max_num_seqs)
         self.runner.ensure_capacity(slots, longest, tree)
-        scheduler = Scheduler(self, slots)
+        scheduler = self.make_scheduler(slots)
         for seq in seqs:
             scheduler.add(seq)
         while scheduler.has_work:

@@ -12,13 +12,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from typing import TYPE_CHECKING
-
-from specdecode.engine.sequence import Sequence
-from specdecode.engine.step import StepReport
-
-if TYPE_CHECKING:
-    from specdecode.engine.llm import LLM
+from specdecode.engine.budget import DraftBudget
+from specdecode.engine.sequence import Sequence, SpecStats
+from specdecode.engine.step import StepReport, StepRunner
 
 
 @dataclasses.dataclass
@@ -42,10 +38,15 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, llm: "LLM", num_slots: int, isolate_failures: bool = False):
-        """isolate_failures: a prefill or step that raises drops only the sequences at fault (they are reported in
+    def __init__(self, runner: StepRunner, budget: DraftBudget, totals: SpecStats, num_slots: int,
+                 isolate_failures: bool = False):
+        """runner: runs prefills and steps; budget: draft tokens per sequence per step (and the controller that
+        learns from each step); totals: where a finished sequence's counters are added.
+        isolate_failures: a prefill or step that raises drops only the sequences at fault (they are reported in
         SchedulerOutput.failed); without it the error propagates, after the slots it took are released."""
-        self.llm = llm
+        self.runner = runner
+        self.budget = budget
+        self.totals = totals
         self.num_slots = num_slots
         self.isolate_failures = isolate_failures
         self.free = list(range(num_slots))[::-1]
@@ -95,16 +96,15 @@ class Scheduler:
         return dropped
 
     def _release(self, seq: Sequence) -> None:
-        llm = self.llm
         if seq in self.running:
             self.running.remove(seq)
         if seq.slot >= 0:
             self.free.append(seq.slot)
             seq.slot = -1
-        llm.runner.release(seq)
-        if llm.controller is not None:
-            llm.controller.forget(seq.request_id)
-        llm.total_stats.merge(seq.stats)
+        self.runner.release(seq)
+        if self.budget.controller is not None:
+            self.budget.controller.forget(seq.request_id)
+        self.totals.merge(seq.stats)
 
     def _take_joining(self) -> list[Sequence]:
         joining = []
@@ -125,7 +125,7 @@ class Scheduler:
     def _failed(self, seqs: list[Sequence], exc: Exception, prefill: bool) -> list[tuple[Sequence, Exception]]:
         """After a prefill or step over seqs raised: free their slots, or (isolating) queue them to be retried
         alone when the runner changed nothing. Returns the sequences dropped."""
-        if not self.isolate_failures or len(seqs) == 1 or self.llm.runner.mutated:
+        if not self.isolate_failures or len(seqs) == 1 or self.runner.mutated:
             for seq in seqs:
                 self._release(seq)
             if not self.isolate_failures:
@@ -142,7 +142,7 @@ class Scheduler:
         return []
 
     def step(self) -> SchedulerOutput:
-        llm = self.llm
+        runner, controller = self.runner, self.budget.controller
         start = time.perf_counter()
         joining = self._take_joining()
         deltas: dict[str, str] = {}
@@ -151,7 +151,7 @@ class Scheduler:
         report = None
         if joining:
             try:
-                deltas.update(zip((s.request_id for s in joining), llm.runner.prefill(joining)))
+                deltas.update(zip((s.request_id for s in joining), runner.prefill(joining)))
                 self.running += joining
             except Exception as exc:
                 failed = self._failed(joining, exc, prefill=True)
@@ -160,12 +160,12 @@ class Scheduler:
             active = self._take_active()
             if active:
                 try:
-                    budgets = llm.budgets(active)
-                    deltas.update(zip((s.request_id for s in active), llm.runner.step(active, budgets)))
-                    report = llm.runner.last_report
-                    if llm.controller is not None:
+                    budgets = self.budget.for_step(active)
+                    deltas.update(zip((s.request_id for s in active), runner.step(active, budgets)))
+                    report = runner.last_report
+                    if controller is not None:
                         wall = time.perf_counter() - start - report.join_time
-                        llm.controller.observe(active, max(budgets), report, wall)
+                        controller.observe(active, max(budgets), report, wall)
                 except Exception as exc:
                     failed = self._failed(active, exc, prefill=False)
                     active, report = [], None

@@ -14,9 +14,9 @@ import torch
 from specdecode.engine.sequence import Sequence
 from specdecode.model.llama import LlamaForCausalLM
 from specdecode.sampling import ACCEPT, DRAW, params_tensors, position_uniforms, processed_probs, sample_rows
-from specdecode.spec.proposers.base import NO_FEATURES, Proposer, TargetFeatures
-from specdecode.spec.tree import DraftTree, tree_shape
-from specdecode.spec.verify import VerifyResult, verify_chains, verify_greedy, verify_sampling
+from specdecode.speculation.proposers.base import NO_FEATURES, Proposer, TargetFeatures
+from specdecode.speculation.tree import DraftTree, tree_shape
+from specdecode.speculation.verify import VerifyResult, verify_chains, verify_greedy, verify_sampling
 
 
 @functools.lru_cache(maxsize=4096)
@@ -74,7 +74,7 @@ class StepRunner:
         need = max_len + tree_size + 2
         if self.cache is None or self.cache.num_slots < slots or self.cache.max_len < need:
             self.cache = self.target.make_cache(slots, need)
-        if self.proposer is not None and hasattr(self.proposer, "ensure_cache"):
+        if self.proposer is not None:
             self.proposer.ensure_cache(slots, need)
 
     @torch.inference_mode()  # no_grad and also no version counters: less work per operation

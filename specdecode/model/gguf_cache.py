@@ -22,6 +22,7 @@ import glob
 import hashlib
 import json
 import os
+import shutil
 import sys
 import tempfile
 import zlib
@@ -36,11 +37,13 @@ from specdecode.errors import ConfigError
 from specdecode.model.config import ModelConfig
 from specdecode.model.gguf import gguf_config, gguf_state_dict, open_gguf
 from specdecode.model.gguf_tokenizer import GGUFTokenizerSpec, build_gguf_tokenizer
-from specdecode.models.registry import cache_dir, sha256_file
+from specdecode.catalog.registry import cache_dir, sha256_file
 
 CACHE_VERSION = "1"
 """Format of the converted files; bump it when the conversion's output changes (names, q/k order, metadata) so
 that files written before are converted again."""
+KEEP_FREE = 2 * 2**30
+"""A converted file is not written where it would leave less free disk than this."""
 SUFFIX = ".specdecode-{dtype}.safetensors"
 """What follows the GGUF's stem in a converted file's name."""
 
@@ -126,9 +129,15 @@ def _write(paths: list[Path], state: dict[str, torch.Tensor], metadata: dict[str
     """Write the converted file at the first of `paths` that can take it (temporary file, then rename), readable
     by whom the GGUF (of st_mode `mode`) is readable."""
     failures = []
+    size = sum(t.numel() * t.element_size() for t in state.values())
     for path in paths:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
+            free = shutil.disk_usage(path.parent).free
+            if free < size + KEEP_FREE:
+                failures.append(f"{path.parent}: {size / 2**30:.1f} GiB would leave less than "
+                                f"{KEEP_FREE / 2**30:.0f} GiB of its {free / 2**30:.1f} GiB free")
+                continue
             fd, partial = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
         except OSError as exc:  # a read-only folder: try the next place
             failures.append(f"{path.parent}: {exc.strerror or exc}")

@@ -5,10 +5,8 @@ with a 4xx in OpenAI's error format that names the limit and the flag that raise
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 
-from specdecode.argtypes import float_range, int_range
 from specdecode.errors import ConfigError
 from specdecode.server.protocol import APIError, bad_request
 
@@ -72,34 +70,3 @@ class ServerLimits:
 def too_large(limit: int) -> APIError:
     return APIError(413, f"the request body is larger than {limit} bytes (the server's --max-body-bytes)",
                     code="request_too_large")
-
-
-def add_limit_args(parser: argparse.ArgumentParser) -> None:
-    d = ServerLimits()
-    g = parser.add_argument_group("request and connection limits (beyond them a request gets a 4xx, before any work)")
-    g.add_argument("--max-body-bytes", type=int_range(1024, 2**31), default=d.max_body_bytes,
-                   help=f"largest request body (default {d.max_body_bytes}: 1 MiB)")
-    g.add_argument("--max-messages", type=int_range(1, 100_000), default=d.max_messages,
-                   help=f"most messages in one chat request (default {d.max_messages})")
-    g.add_argument("--max-prompt-tokens", type=int_range(1), default=None,
-                   help="longest prompt in tokens (default: the context length minus one)")
-    g.add_argument("--max-stop-strings", type=int_range(0, 1024), default=d.max_stop_strings,
-                   help=f"most stop strings per request (default {d.max_stop_strings})")
-    g.add_argument("--max-stop-chars", type=int_range(1, 65536), default=d.max_stop_chars,
-                   help=f"longest stop string in characters (default {d.max_stop_chars})")
-    g.add_argument("--body-timeout", type=float_range(0.0, 86400.0, lo_open=True), default=d.body_timeout,
-                   help=f"seconds to receive a request body before answering 408 (default {d.body_timeout:g})")
-    g.add_argument("--header-timeout", type=float_range(0.0, 86400.0, lo_open=True), default=d.header_timeout,
-                   help=f"seconds to receive a request's headers before closing the connection "
-                        f"(default {d.header_timeout:g})")
-    g.add_argument("--keep-alive-timeout", type=int_range(0, 86400), default=d.keep_alive_timeout,
-                   help=f"seconds an idle keep-alive connection stays open (default {d.keep_alive_timeout})")
-    g.add_argument("--max-header-bytes", type=int_range(1024, 2**24), default=d.max_header_bytes,
-                   help=f"largest request line plus headers (default {d.max_header_bytes})")
-    g.add_argument("--max-connections", type=int_range(1, 1_000_000), default=None,
-                   help="connections and requests in progress before new ones get 503 (default: --max-num-seqs + "
-                        "--max-waiting + 64)")
-
-
-def limits_from_args(args) -> ServerLimits:
-    return ServerLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerLimits)})

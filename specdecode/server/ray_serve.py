@@ -153,7 +153,7 @@ def app_builder(args: dict):
     """For `serve run specdecode.server.ray_serve:app_builder model=M replicas=2 ...` (or a Serve config file):
     keys are model, served_model_name, dtype, device, max_num_seqs, max_model_len, tensor_parallel_size,
     replicas, min_replicas, max_replicas, num_cpus, num_gpus, allowed_hosts (comma-separated)."""
-    from specdecode.models.registry import model_name
+    from specdecode.catalog.registry import model_name
 
     model = args.get("model")  # a name is resolved (fetched) by each replica, on its own node
     llm_kwargs = {"model": model, "dtype": args.get("dtype", "auto"),

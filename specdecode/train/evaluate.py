@@ -190,7 +190,7 @@ tokenizer.json's post-processor does the same for transformers); generation stop
 Reproduce every artifact here (checkpoints and logs go to `runs/recipe/`; after an interruption, run the same
 command with `--resume` to continue from the last checkpoint):
 
-    {command or 'specdecode train all --out specdecode/models'}
+    {command or 'specdecode train all --out specdecode/catalog'}
 
 ## Evaluation (held-out files)
 

@@ -14,7 +14,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from specdecode.spec.heads import EagleHead, MedusaHeads
+from specdecode.speculation.heads import EagleHead, MedusaHeads
 from specdecode.train.features import FeatureBatch
 
 

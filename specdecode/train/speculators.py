@@ -9,23 +9,9 @@ from pathlib import Path
 import torch
 
 from specdecode.errors import ConfigError
-from specdecode.models.registry import sha256_file
-from specdecode.train import features, sharegpt
-
-
-def weights_digest(model) -> str:
-    """sha256 over the target's parameter names and values rounded to bfloat16: names the weights a speculator
-    was trained for, whatever file format they came from and whether they were loaded in float32 or bfloat16.
-    A tensor-parallel target (dist/driver.py) carries the digest of its whole weights, taken before sharding."""
-    if getattr(model, "unsharded_digest", None):
-        return model.unsharded_digest
-    digest = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
-        if name == "lm_head.weight" and model.config.tie_word_embeddings:
-            continue
-        digest.update(name.encode())
-        digest.update(tensor.detach().to(torch.bfloat16).contiguous().view(torch.int16).numpy().tobytes())
-    return digest.hexdigest()
+from specdecode.catalog.registry import sha256_file
+from specdecode.catalog import sharegpt
+from specdecode.train import features
 
 
 def resolve_data(data: str) -> Path:

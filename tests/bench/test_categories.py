@@ -5,7 +5,7 @@ import pytest
 
 from specdecode.bench.categories import classify, first_turn_category, is_math, load_workload_file, select
 from specdecode.errors import ConfigError
-from specdecode.train.sharegpt import Conversation
+from specdecode.catalog.sharegpt import Conversation
 
 
 def conv(id_: str, *turns: str) -> Conversation:

@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from specdecode.bench.serve import LoadConfig, Outcome, Request, run_load, summarise
-from specdecode.bench.serve_cli import _served_model
+from specdecode.bench.serve_run import _served_model
 from specdecode.bench.servers import ManagedServer, ServerSpec
 from specdecode.cli import build_parser
 

@@ -8,7 +8,7 @@ import torch
 
 import specdecode.engine.step as step_module
 from specdecode.sampling import sample_from, sample_rows
-from specdecode.spec.verify import VerifyResult, verify_chains, verify_sampling
+from specdecode.speculation.verify import VerifyResult, verify_chains, verify_sampling
 
 
 def chains_correction_from_p(p, q, tokens, lengths, u_accept, u_draw):

@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 
 from specdecode.model.loading import load_model, save_model
-from specdecode.spec.proposers.draft_model import DraftModelProposer
-from specdecode.spec.tree import DraftTree
+from specdecode.speculation.proposers.draft_model import DraftModelProposer
+from specdecode.speculation.tree import DraftTree
 
 from tests.conftest import make_checkpoint, write_tokenizer
 

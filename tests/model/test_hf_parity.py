@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from specdecode.model.loading import load_model
-from specdecode.spec.tree import DraftTree
+from specdecode.speculation.tree import DraftTree
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,4 +1,4 @@
-"""The models shipped in specdecode/models load in transformers and give the same logits and tokens."""
+"""The models shipped in specdecode/catalog load in transformers and give the same logits and tokens."""
 import json
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 
 from specdecode.model.loading import load_model
 from specdecode.model.tokenizer import Tokenizer
-from specdecode.models import DEFAULT_DRAFT_DIR, DEFAULT_TARGET_DIR, MODELS_DIR
+from specdecode.catalog import DEFAULT_DRAFT_DIR, DEFAULT_TARGET_DIR, MODELS_DIR
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.skipif(not (DEFAULT_DRAFT_DIR / "model.safetensors").is_file(),

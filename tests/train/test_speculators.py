@@ -8,8 +8,10 @@ import torch
 from specdecode.errors import ConfigError
 from specdecode.model.loading import load_model
 from specdecode.model.tokenizer import Tokenizer
-from specdecode.spec.heads import EagleHead, HeadConfig, MedusaHeads, load_head, save_head
-from specdecode.train import features, sharegpt, speculators
+from specdecode.speculation.heads import EagleHead, HeadConfig, MedusaHeads, load_head, save_head
+from specdecode.catalog import sharegpt
+from specdecode.model.digest import weights_digest
+from specdecode.train import features, speculators
 from specdecode.train.heads import HeadLossConfig, eagle_loss, eagle_unroll, medusa_loss
 
 RECORDS = [
@@ -164,7 +166,7 @@ def test_head_losses_train_and_round_trip(cache, tmp_path):
             opt.step()
             losses.append(loss.item())
         assert sum(losses[-5:]) < 0.8 * sum(losses[:5]), (kind, losses)
-        digest = speculators.weights_digest(target)
+        digest = weights_digest(target)
         save_head(head, HeadConfig(kind, digest, len(d2t), num_heads=2 if kind == "medusa" else 1),
                   tmp_path / kind, "card")
         loaded = load_head(tmp_path / kind, target, digest)
@@ -176,7 +178,7 @@ def test_head_losses_train_and_round_trip(cache, tmp_path):
 
 
 def test_draft_distillation_learns_and_saves_a_loadable_checkpoint(cache, tiny_models, tmp_path):
-    from specdecode.train.head_cli import save_draft
+    from specdecode.train.head_training import save_draft
     from specdecode.train.heads import draft_from_target, draft_loss
 
     target, examples, folder = cache
@@ -200,6 +202,6 @@ def test_draft_distillation_learns_and_saves_a_loadable_checkpoint(cache, tiny_m
     loaded = load_model(tmp_path / "draft", dtype="float32", device="cpu")
     ids = torch.tensor([examples[0].ids])
     torch.testing.assert_close(loaded(ids).logits, draft(ids).logits, atol=0.1, rtol=0.05)  # saved in bf16
-    from specdecode.spec.compat import check_compatible
+    from specdecode.speculation.compat import check_compatible
 
     check_compatible(tok, Tokenizer(tmp_path / "draft"), target.config, loaded.config)

@@ -1,0 +1,6 @@
+"""`python -m specdecode.cli ...` = `specdecode ...`."""
+import sys
+
+from specdecode.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,218 @@
+"""`specdecode bench`: plain decoding, every speculative method and transformers' generate() side by side on
+held-out ShareGPT by category; writes results.json, report.md and PNG plots. `specdecode bench serve`: see
+specdecode.bench.serve_run."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from specdecode.cli.types import (MAX_NUM_SEQS, POSITIVE, SECONDS, SEED, SPECULATIVE_TOKENS, TEMPERATURE, THREADS,
+                                  TOKENS, int_range)
+from specdecode.errors import CheckpointError
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def _speculator(text: str) -> tuple[str, str]:
+    method, sep, path = text.partition("=")
+    if not sep or not method or not path:
+        raise argparse.ArgumentTypeError(f"expected METHOD=DIR, got {text!r}")
+    return method, path
+
+
+def register(sub) -> None:
+    from specdecode.bench.categories import CATEGORIES  # light: the torch-loading modules wait for cmd_bench
+
+    p = sub.add_parser("bench", help="benchmark plain vs speculative decoding vs transformers on real work",
+                       description="Run held-out ShareGPT prompts by category (multi-turn chat, code, summarisation, "
+                                   "QA, math) through plain decoding, every speculative method and transformers' "
+                                   "generate() (plain, assisted, prompt lookup) in one run, at T=0 and T=1; then a "
+                                   "batch-size sweep (plain vs fixed K vs adaptive) and a roofline. Writes "
+                                   "results.json, report.md and PNG plots to --out. `specdecode bench serve` "
+                                   "load-tests OpenAI-compatible servers instead.")
+    p.add_argument("--quick", action="store_true",
+                   help="a run of a few minutes: 1 prompt per category x 24 tokens at T=0, sweep at batch 1 and 8 with "
+                        "K in {2,4}, 16 tokens, 1 repeat (explicit flags still win)")
+    p.add_argument("--out", type=Path, default=Path("bench_results"), help="output folder (default bench_results)")
+    p.add_argument("--model", default=None,
+                   help="target: a model name, .gguf file or checkpoint directory (default: smollm2-135m-instruct)")
+    p.add_argument("--speculative-model", type=Path, default=None,
+                   help="draft checkpoint of the draft_model method and of transformers' assisted generation "
+                        "(default: the one shipped for a named model)")
+    p.add_argument("--speculator", type=_speculator, action="append", default=[], metavar="METHOD=DIR",
+                   help="speculator directory of a method (eagle/medusa heads, rest datastore); repeatable")
+    p.add_argument("--workload-file", type=Path, default=None,
+                   help='JSON {"categories": {name: [{"messages": [...]}, ...]}} instead of held-out ShareGPT')
+    p.add_argument("--stdlib-workloads", action="store_true",
+                   help="instead: the code workloads from held-out standard-library files as raw prompts (completion, "
+                        "grounded_edit, docstring), for models without a chat template (specdecode/catalog/target)")
+    p.add_argument("--categories", default=",".join(CATEGORIES), help=f"comma-separated, from {', '.join(CATEGORIES)}")
+    p.add_argument("--methods", default=None,
+                   help="comma-separated speculative methods (default: all this model has speculators for: "
+                        "draft_model, eagle, medusa, ngram, lookahead, rest)")
+    p.add_argument("--prompts", type=POSITIVE, default=None, help="prompts per category (default 8)")
+    p.add_argument("--max-tokens", type=TOKENS, default=None, help="most tokens per request (default 128)")
+    p.add_argument("--max-prompt-tokens", type=POSITIVE, default=None, help="skip longer prompts (default 768)")
+    p.add_argument("--temperatures", type=_floats, default=None, help="per-request tables (default 0,1)")
+    p.add_argument("--num-speculative-tokens", type=SPECULATIVE_TOKENS, default=None,
+                   help="K of every method (default: its own)")
+    p.add_argument("--batch-sizes", type=_ints, default=None, help="batch sweep sizes (default 1,2,4,8,16,32,64)")
+    p.add_argument("--sweep-ks", type=_ints, default=None, help="fixed K of the batch sweep (default 1,2,3,4,5)")
+    p.add_argument("--sweep-method", default=None, help="speculative method of the batch sweep (default ngram)")
+    p.add_argument("--sweep-max-tokens", type=TOKENS, default=None, help="tokens per sweep request (default 64)")
+    p.add_argument("--sweep-repeats", type=int_range(1, 100), default=None,
+                   help="runs per sweep point, fastest counts (default 3)")
+    p.add_argument("--no-sweep", action="store_true", help="skip the batch-size sweep")
+    p.add_argument("--no-peers", action="store_true", help="skip transformers")
+    p.add_argument("--no-adaptive", dest="adaptive", action="store_false",
+                   help="the methods always draft K (default: K per step, adaptive)")
+    p.add_argument("--fixed-too", action="store_true",
+                   help="also run every method at its fixed K, next to its adaptive row")
+    p.add_argument("--threads", type=THREADS, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="float32 (default: greedy outputs of every engine are then identical), bfloat16 or float16")
+    p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
+    p.add_argument("--note", default="", help="free text for the report, e.g. what else ran on the machine")
+    p.add_argument("--speed", action="store_true",
+                   help="instead: plain decode tokens/s per dtype and linear backend (and int8) against transformers "
+                        "and the memory roofline, the cost of a pass over K = 1..16 tokens, batch-8 throughput; "
+                        "writes speed.md, speed.json, speed.png (one thread unless --threads)")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="with --speed: wall (default) or cpu, the thread's CPU time (for a machine shared with "
+                        "other jobs)")
+    p.set_defaults(func=cmd_bench)
+    register_serve(p.add_subparsers(dest="bench_command", metavar="serve"))
+
+
+def _checkpoints(args) -> tuple[Path, Path | None]:
+    """(target, draft): --model (a name, .gguf or directory; default the default named model, fetched on first
+    use) and --speculative-model."""
+    from specdecode.catalog.registry import resolve_model
+
+    draft = args.speculative_model
+    if draft is not None and not (Path(draft) / "config.json").is_file():
+        raise CheckpointError(f"{draft} has no config.json; pass --speculative-model DIR (a draft checkpoint)")
+    return resolve_model(args.model), draft and Path(draft)
+
+
+def peers_installed() -> bool:
+    """Whether transformers (the peers' engine) can be imported; if not, say once how to get it."""
+    import importlib.util
+
+    missing = [name for name in ("transformers", "accelerate") if importlib.util.find_spec(name) is None]
+    if missing:
+        print(f"specdecode bench: {' and '.join(missing)} not installed, so the transformers peers are skipped "
+              "(pip install -e '.[peers]' adds them; --no-peers silences this)", file=sys.stderr, flush=True)
+    return not missing
+
+
+def cmd_bench(args) -> int:
+    import shlex
+
+    import torch
+
+    from specdecode.bench.bench import BenchConfig, run_bench
+    from specdecode.bench.report import write_report
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    if not args.no_peers and not peers_installed():
+        args.no_peers = True
+    if args.speed:
+        return cmd_speed(args)
+    _, draft = _checkpoints(args)  # fails early on a missing target or draft
+    speculators = dict(args.speculator)
+    if draft is not None:
+        speculators["draft_model"] = str(draft)
+    chosen = {"prompts": args.prompts, "max_tokens": args.max_tokens, "max_prompt_tokens": args.max_prompt_tokens,
+              "temperatures": args.temperatures, "num_speculative_tokens": args.num_speculative_tokens,
+              "sweep_batch_sizes": args.batch_sizes, "sweep_ks": args.sweep_ks, "sweep_method": args.sweep_method,
+              "sweep_max_tokens": args.sweep_max_tokens, "sweep_repeats": args.sweep_repeats}
+    if args.methods is not None:
+        chosen["methods"] = tuple(m for m in args.methods.split(",") if m)
+    chosen = {k: v for k, v in chosen.items() if v is not None}
+    if args.no_sweep:
+        chosen["sweep_batch_sizes"] = ()
+    settings = dict(model=args.model, speculators=speculators, out=args.out, dtype=args.dtype, device=args.device,
+                    workload_file=args.workload_file, stdlib_workloads=args.stdlib_workloads,
+                    categories=tuple(c for c in args.categories.split(",") if c),
+                    peers=not args.no_peers, note=args.note, adaptive=args.adaptive, fixed_too=args.fixed_too,
+                    command=shlex.join(["specdecode", *sys.argv[1:]]) if sys.argv[0].endswith("specdecode") else "",
+                    **chosen)
+    config = BenchConfig.quick(**settings) if args.quick else BenchConfig(**settings)
+    paths = write_report(run_bench(config), config.out)
+    print(paths["report"].read_text())
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
+def cmd_speed(args) -> int:
+    import torch
+
+    from specdecode.bench.speed import SpeedConfig, run_speed
+    from specdecode.bench.speed_report import write_speed_report
+
+    if args.threads is None:
+        torch.set_num_threads(1)  # the issue's measurements are one-thread
+    target, _ = _checkpoints(args)
+    config = SpeedConfig(model=target, tokens=args.max_tokens or (48 if args.quick else 128),
+                         rounds=1 if args.quick else 3, max_verify=8 if args.quick else 16,
+                         peers=not args.no_peers, device=args.device or "cpu", clock=args.clock,
+                         speculation=not args.quick)
+    paths = write_speed_report(run_speed(config), args.out)
+    print(paths["report"].read_text())
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
+def register_serve(sub) -> None:
+    p = sub.add_parser("serve", help="load-test OpenAI-compatible servers with ShareGPT requests",
+                       description="Replay held-out ShareGPT first turns (reference answer length as max_tokens, "
+                                   "capped) as streaming chat requests with Poisson arrivals at each --rates value "
+                                   "(or --concurrency); report TTFT, TPOT, ITL p50/p90/p99, request and token "
+                                   "throughput and goodput under --slo-ttft-ms/--slo-tpot-ms. Without --base-url it "
+                                   "starts `specdecode serve` once per --modes entry (off, fixed, adaptive).")
+    p.add_argument("--base-url", default=None, help="an OpenAI-compatible server (default: start our own)")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer token for --base-url")
+    p.add_argument("--served-model", default=None, help="model name to send (default: the first of /v1/models)")
+    p.add_argument("--model", default=None, help="our servers' --model, and the tokenizer that sizes max_tokens "
+                                                 "(default smollm2-135m-instruct)")
+    p.add_argument("--modes", default="off,fixed,adaptive", help="our servers: comma-separated off, fixed, adaptive")
+    p.add_argument("--speculative-method", default="ngram", help="method of the fixed and adaptive servers")
+    p.add_argument("--num-speculative-tokens", type=SPECULATIVE_TOKENS, default=5,
+                   help="K of the fixed server (adaptive: the most)")
+    p.add_argument("--max-num-seqs", type=MAX_NUM_SEQS, default=16, help="our servers' --max-num-seqs (default 16)")
+    p.add_argument("--rates", type=_floats, default=(1.0,), help="requests/s, Poisson; inf = all at once (default 1)")
+    p.add_argument("--concurrency", type=POSITIVE, default=None, help="a closed loop of this many requests instead")
+    p.add_argument("--num-requests", type=POSITIVE, default=32, help="requests per server and load (default 32)")
+    p.add_argument("--max-seconds", type=SECONDS, default=300.0, help="bound per server and load (default 300)")
+    p.add_argument("--max-tokens-cap", type=TOKENS, default=256, help="cap on max_tokens (default 256)")
+    p.add_argument("--max-prompt-tokens", type=POSITIVE, default=768, help="skip longer prompts (default 768)")
+    p.add_argument("--temperature", type=TEMPERATURE, default=0.0)
+    p.add_argument("--slo-ttft-ms", type=SECONDS, default=2000.0, help="goodput SLO on TTFT (default 2000)")
+    p.add_argument("--slo-tpot-ms", type=SECONDS, default=100.0, help="goodput SLO on TPOT (default 100)")
+    p.add_argument("--threads", type=THREADS, default=1, help="torch threads of each server (default 1)")
+    p.add_argument("--seed", type=SEED, default=0, help="seed of the arrival times")
+    p.add_argument("--note", default="", help="free text for the report")
+    p.add_argument("--out", type=Path, default=Path("bench_results"), help="output folder (default bench_results)")
+    p.set_defaults(func=cmd_bench_serve)
+
+
+def cmd_bench_serve(args) -> int:
+    from specdecode.bench.serve_run import cmd_bench_serve as run
+
+    return run(args)

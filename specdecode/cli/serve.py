@@ -1,0 +1,263 @@
+"""`specdecode serve`: the OpenAI-compatible server, speculating adaptively by default."""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import argparse
+import dataclasses
+
+from specdecode.cli.model_flags import add_model_args
+from specdecode.cli.scaleout import add_replica_args, add_scaleout_args, scaleout_kwargs
+from specdecode.cli.types import MAX_NUM_SEQS, PORT, POSITIVE, SECONDS, float_range, int_range
+from specdecode.errors import ConfigError
+from specdecode.server.limits import ServerLimits
+
+API_KEY_ENV = "SPECDECODE_API_KEY"
+"""Environment variable read for the API key when neither --api-key nor --api-key-file is given."""
+DEFAULT_MAX_NUM_SEQS = 32
+"""Most sequences decoded at once when --max-num-seqs is not given (fewer if fewer fit the memory)."""
+DEFAULT_MEMORY_FRACTION = 0.25
+"""Share of the memory available at start-up that a CPU server plans for by default: a server shares its machine
+(a 135M model at 8,192 positions needs ~0.5 GiB per sequence; 32 of them would take 16 GiB)."""
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+"""Share of a CUDA device's memory a server plans for by default (vLLM's default)."""
+
+
+def register(sub) -> None:
+    p = sub.add_parser("serve", help="serve an OpenAI-compatible API with speculative decoding",
+                       description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics. "
+                                   "The engine batches requests continuously and chooses how many tokens to draft "
+                                   "each step from measured costs and acceptance rates.")
+    add_model_args(p)
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients send and /v1/models lists (default: the --model argument, "
+                        "or smollm2-135m-instruct for the default model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=PORT, default=8000, help="port (default 8000)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (other users can read a command line: "
+                        f"prefer --api-key-file or the {API_KEY_ENV} environment variable)")
+    p.add_argument("--api-key-file", type=Path, default=None,
+                   help="read the API key from this file (surrounding whitespace ignored)")
+    p.add_argument("--allowed-hosts", default=None,
+                   help="comma-separated host names clients may address the server by, besides the --host address, "
+                        "localhost, 127.0.0.1 and ::1 (requests with any other Host header get 400, against DNS "
+                        "rebinding); '*' allows any")
+    p.add_argument("--max-num-seqs", type=MAX_NUM_SEQS, default=None,
+                   help=f"sequences decoded at once (default: as many as fit the memory available, at most "
+                        f"{DEFAULT_MAX_NUM_SEQS})")
+    p.add_argument("--max-waiting", type=int_range(0), default=256,
+                   help="requests queued beyond --max-num-seqs before new ones get 503 (default 256)")
+    p.add_argument("--max-model-len", type=int_range(2), default=None,
+                   help="context length (default: the model's)")
+    p.add_argument("--memory-fraction", type=float_range(0.0, 1.0, lo_open=True), default=None,
+                   help="on a CPU: the share of the memory available now that the server may plan for "
+                        f"(default {DEFAULT_MEMORY_FRACTION})")
+    p.add_argument("--disable-by-batch-size", type=POSITIVE, default=None,
+                   help="never speculate while this many sequences run")
+    p.add_argument("--stall-timeout", type=SECONDS, default=None,
+                   help="seconds one engine iteration may take before /health reports the engine stalled "
+                        "(default 300)")
+    add_limit_args(p)
+    add_scaleout_args(p)
+    add_replica_args(p)
+    p.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
+    p.set_defaults(func=cmd_serve, compare=False)
+
+
+def api_key(args, environ=os.environ) -> str | None:
+    """The API key from --api-key, --api-key-file or SPECDECODE_API_KEY (None: no key is required)."""
+    if args.api_key is not None and args.api_key_file is not None:
+        raise ConfigError("give the API key with --api-key or --api-key-file, not both")
+    if args.api_key_file is not None:
+        try:
+            key, source = args.api_key_file.read_text().strip(), f"the file {args.api_key_file}"
+        except OSError as exc:
+            raise ConfigError(f"cannot read --api-key-file: {exc}") from None
+    elif args.api_key is not None:
+        key, source = args.api_key.strip(), "--api-key"
+    elif environ.get(API_KEY_ENV) is not None:
+        key, source = environ[API_KEY_ENV].strip(), API_KEY_ENV
+    else:
+        return None
+    if not key:
+        raise ConfigError(f"the API key from {source} is empty, which would lock every client out; give a key, or "
+                          "no key option at all to serve without one")
+    return key
+
+
+def allowed_hosts(args) -> list[str]:
+    from specdecode.server.guard import LOCAL_HOSTS
+
+    extra = [h.strip() for h in (args.allowed_hosts or "").split(",") if h.strip()]
+    if args.host in ("0.0.0.0", "::", "") and not extra:
+        logging.getLogger("specdecode.server").warning(
+            "bound to every address, but only clients that address the server as localhost are answered; "
+            "pass --allowed-hosts with the names clients use (or '*')")
+    return [args.host, *LOCAL_HOSTS, *extra]
+
+
+def memory_defaults(args, device) -> None:
+    """Without --memory-budget or --gpu-memory-utilization, plan for a share of what the machine has now."""
+    from specdecode.cli.scaleout import GiB
+    from specdecode.hardware import available_memory
+
+    if args.memory_budget is not None or args.gpu_memory_utilization is not None:
+        return
+    if device.type == "cuda":
+        args.gpu_memory_utilization = DEFAULT_GPU_MEMORY_UTILIZATION
+        return
+    available = available_memory()
+    if available is not None:
+        fraction = args.memory_fraction if args.memory_fraction is not None else DEFAULT_MEMORY_FRACTION
+        args.memory_budget = fraction * available / GiB
+        args.memory_available = available
+
+
+def size_batch(args, model_dir, config) -> None:
+    """Set args.max_num_seqs from the capacity plan: as many as fit (at most DEFAULT_MAX_NUM_SEQS) when it was not
+    given; a --max-num-seqs or --max-model-len that does not fit is refused here, before the model loads."""
+    from specdecode.model.loading import read_config, resolve_device
+    from specdecode.plan import memory_budget_bytes, plan_memory
+    from specdecode.speculation.config import SpeculativeConfig, with_shipped_speculator
+
+    context = read_config(model_dir).max_position_embeddings
+    if args.max_model_len is not None and args.max_model_len > context:
+        raise ConfigError(f"--max-model-len {args.max_model_len} is longer than the model's context ({context}); "
+                          f"lower it to {context} or less")
+    device = resolve_device(args.device)
+    memory_defaults(args, device)
+    budget = memory_budget_bytes(device, scaleout_kwargs(args)["memory_budget"], args.gpu_memory_utilization)
+    wanted = args.max_num_seqs or DEFAULT_MAX_NUM_SEQS
+    if budget is None:  # nothing known of the memory: take the flag or the default as it is
+        args.max_num_seqs = wanted
+        return
+    spec = SpeculativeConfig.parse(with_shipped_speculator(config, args.model))
+    plan = plan_memory(model_dir, budget, args.max_model_len, wanted, spec, args.dtype, args.device,
+                       args.tensor_parallel_size)
+    largest = plan.largest_batch()
+    where = (f"{args.memory_budget:.1f} GiB (--memory-budget)" if getattr(args, "memory_available", None) is None
+             else f"{budget / 2**30:.1f} GiB ({plan.headroom:.0%} kept free; --memory-fraction of the "
+                  f"{args.memory_available / 2**30:.1f} GiB available)")
+    if largest < 1:
+        raise ConfigError(f"not even one sequence of {plan.max_model_len} positions fits {where}: lower "
+                          "--max-model-len, or raise --memory-fraction / --memory-budget")
+    if args.max_num_seqs is not None and args.max_num_seqs > largest:
+        raise ConfigError(f"--max-num-seqs {args.max_num_seqs} at {plan.max_model_len} positions needs "
+                          f"{plan.needed() / 2**30:.1f} GiB but the plan has {where}: lower --max-num-seqs to "
+                          f"{largest} or --max-model-len, or raise --memory-fraction / --memory-budget")
+    args.max_num_seqs = min(wanted, largest)
+    args.planned_bytes = plan.needed(args.max_num_seqs)
+    args.max_model_len = plan.max_model_len
+
+
+def configuration_line(llm, name: str, args) -> str:
+    """The one line `serve` prints when it is ready: what it runs, and on how much memory."""
+    import torch
+
+    config = llm.spec_config
+    if config is None:
+        spec = "speculation off"
+    else:
+        k = config.num_speculative_tokens
+        spec = f"speculation {config.method} {'adaptive K<=' if config.adaptive else 'K='}{k}"
+    threads = torch.get_num_threads()
+    memory = ""
+    if getattr(args, "planned_bytes", None) is not None:
+        memory = f", {args.planned_bytes / 2**30:.1f} GiB planned"
+        if getattr(args, "memory_available", None) is not None:
+            memory += f" of {args.memory_available / 2**30:.1f} GiB available"
+    dtype = str(llm.target.dtype).removeprefix("torch.")
+    return (f"{name}: {dtype} on {llm.device}, {threads} thread{'s' if threads > 1 else ''}, "
+            f"{llm.max_num_seqs} sequences x {llm.max_model_len} positions, {spec}{memory}")
+
+
+def cmd_serve(args) -> int:
+    from specdecode.engine.async_engine import STALL_TIMEOUT, AsyncEngine
+    from specdecode.cli.model_flags import resolve_models, set_threads
+    from specdecode.engine.llm import LLM
+    from specdecode.server.app import build_app
+    from specdecode.server.transport import uvicorn_options
+
+    key = api_key(args)
+    set_threads(args.threads)
+    model_dir, config, model_name = resolve_models(args)
+    if config is not None:
+        config["adaptive"] = args.adaptive
+        if args.disable_by_batch_size is not None:
+            config["disable_by_batch_size"] = args.disable_by_batch_size
+    replicas = args.replicas is not None or args.min_replicas is not None
+    if not replicas:
+        size_batch(args, model_dir, config)
+    if args.max_connections is None:
+        args.max_connections = (args.max_num_seqs or DEFAULT_MAX_NUM_SEQS) + args.max_waiting + 64
+    limits = limits_from_args(args)
+    llm_kwargs = dict(model=model_dir, dtype=args.dtype, device=args.device, speculative_config=config,
+                      max_num_seqs=args.max_num_seqs or DEFAULT_MAX_NUM_SEQS, max_model_len=args.max_model_len,
+                      **scaleout_kwargs(args))
+    name = args.served_model_name or model_name
+    if replicas:  # Ray Serve: each replica builds its engine
+        from specdecode.server.ray_serve import ReplicaSettings, deployment_settings, serve_replicas
+
+        llm_kwargs["model"] = args.model  # a name (None: the default) is fetched by each replica, on its node
+        settings = ReplicaSettings(llm_kwargs, name, args.max_waiting, args.stall_timeout or STALL_TIMEOUT, key,
+                                   limits, allowed_hosts(args))
+        return serve_replicas(settings, deployment_settings(args), args.host, args.port, args.ray_address)
+    llm = LLM(**llm_kwargs)
+    engine = AsyncEngine(llm, max_waiting=args.max_waiting, stall_timeout=args.stall_timeout or STALL_TIMEOUT)
+    app = build_app(engine, name, api_key=key, limits=limits, allowed_hosts=allowed_hosts(args))
+    engine.start()
+    try:
+        run_uvicorn(app, args.host, args.port, args.log_level, ready_line=configuration_line(llm, name, args),
+                    **uvicorn_options(limits))
+    finally:
+        engine.shutdown()
+    return 0
+
+
+def run_uvicorn(app, host: str, port: int, log_level: str, ready_line: str = "", **options) -> None:
+    """Serve app until stopped; once the socket listens, print ready_line and the URL (port 0: the one chosen)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if self.started and self.servers and self.servers[0].sockets:
+                bound = self.servers[0].sockets[0].getsockname()[1]
+                url = f"http://{f'[{host}]' if ':' in host else host}:{bound}"
+                print(f"specdecode serve: {ready_line}; ready at {url}", flush=True)
+
+    Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, **options)).run()
+
+
+def add_limit_args(parser: argparse.ArgumentParser) -> None:
+    d = ServerLimits()
+    g = parser.add_argument_group("request and connection limits (beyond them a request gets a 4xx, before any work)")
+    g.add_argument("--max-body-bytes", type=int_range(1024, 2**31), default=d.max_body_bytes,
+                   help=f"largest request body (default {d.max_body_bytes}: 1 MiB)")
+    g.add_argument("--max-messages", type=int_range(1, 100_000), default=d.max_messages,
+                   help=f"most messages in one chat request (default {d.max_messages})")
+    g.add_argument("--max-prompt-tokens", type=int_range(1), default=None,
+                   help="longest prompt in tokens (default: the context length minus one)")
+    g.add_argument("--max-stop-strings", type=int_range(0, 1024), default=d.max_stop_strings,
+                   help=f"most stop strings per request (default {d.max_stop_strings})")
+    g.add_argument("--max-stop-chars", type=int_range(1, 65536), default=d.max_stop_chars,
+                   help=f"longest stop string in characters (default {d.max_stop_chars})")
+    g.add_argument("--body-timeout", type=float_range(0.0, 86400.0, lo_open=True), default=d.body_timeout,
+                   help=f"seconds to receive a request body before answering 408 (default {d.body_timeout:g})")
+    g.add_argument("--header-timeout", type=float_range(0.0, 86400.0, lo_open=True), default=d.header_timeout,
+                   help=f"seconds to receive a request's headers before closing the connection "
+                        f"(default {d.header_timeout:g})")
+    g.add_argument("--keep-alive-timeout", type=int_range(0, 86400), default=d.keep_alive_timeout,
+                   help=f"seconds an idle keep-alive connection stays open (default {d.keep_alive_timeout})")
+    g.add_argument("--max-header-bytes", type=int_range(1024, 2**24), default=d.max_header_bytes,
+                   help=f"largest request line plus headers (default {d.max_header_bytes})")
+    g.add_argument("--max-connections", type=int_range(1, 1_000_000), default=None,
+                   help="connections and requests in progress before new ones get 503 (default: --max-num-seqs + "
+                        "--max-waiting + 64)")
+
+
+def limits_from_args(args) -> ServerLimits:
+    return ServerLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerLimits)})

@@ -1,0 +1,197 @@
+"""Draft-model proposer: a small model of the same vocabulary drafts `num_drafts` chains of K tokens per sequence
+(one chain = classic speculative decoding; several = a tree whose root branches: the draft's top tokens for
+greedy requests, independent samples for sampled ones). The draft keeps its own KV cache: each step it first
+catches up on the tokens the target committed since its last step, then extends its chains one level per forward.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from specdecode.errors import ConfigError
+from specdecode.speculation.methods import Method
+from specdecode.model.llama import LlamaForCausalLM
+from specdecode.sampling import params_tensors, processed_probs, sample_rows
+from specdecode.speculation.proposers.base import NO_FEATURES
+from specdecode.speculation.tree import DraftTree
+
+
+@dataclasses.dataclass
+class DraftModelConfig:
+    """Draft-model options (vLLM's names where they exist)."""
+
+    model: str
+    """Directory of the draft checkpoint (same tokenizer as the target)."""
+    num_speculative_tokens: int = 5
+    """Depth K of every draft chain."""
+    num_drafts: int = 1
+    """Chains per sequence: 1 = a chain, more = a tree branching at the root."""
+
+    def __post_init__(self):
+        if self.num_speculative_tokens < 1:
+            raise ConfigError("num_speculative_tokens must be >= 1 for the draft_model method")
+        if self.num_drafts < 1:
+            raise ConfigError("num_drafts must be >= 1")
+
+
+@dataclasses.dataclass
+class _Pending:
+    """What observe() needs to know about the last proposal of one sequence."""
+
+    tail_len: int
+    padded_tail: int
+    depth: int  # tree depth k for this sequence
+    fed_depth: int  # deepest level whose tokens went through the draft model
+
+
+class DraftModelProposer:
+    feature_request = NO_FEATURES
+
+    @property
+    def draft_network(self):
+        """What one draft level runs (see Proposer)."""
+        return self.model
+
+    def __init__(self, config: DraftModelConfig, model: LlamaForCausalLM):
+        self.config = config
+        self.model = model
+        self.cache = None
+        self.draft_len: dict[str, int] = {}  # request -> tokens committed in the draft cache
+        self.pending: dict[str, _Pending] = {}
+
+    def ensure_cache(self, slots: int, max_len: int) -> None:
+        extra = 2 + self.config.num_drafts * self.config.num_speculative_tokens
+        if self.cache is None or self.cache.num_slots < slots or self.cache.max_len < max_len + extra:
+            self.cache = self.model.make_cache(slots, max_len + extra)
+
+    @torch.no_grad()
+    def add(self, seqs) -> None:
+        """Prefill the draft's cache with every token but the pending one, as in the target's cache."""
+        slots = torch.tensor([s.slot for s in seqs])
+        self.cache.reset(slots)
+        lens = [len(s.token_ids) - 1 for s in seqs]
+        width = max(lens)
+        ids = torch.tensor([s.token_ids[:n] + [0] * (width - n) for s, n in zip(seqs, lens)],
+                           device=self.model.device)  # [B, width], padding is never committed
+        self.model(ids, cache=self.cache, slots=slots, compute_logits=False)
+        self.cache.advance(slots, torch.tensor(lens))
+        for seq, n in zip(seqs, lens):
+            self.draft_len[seq.request_id] = n
+
+    def remove(self, seq) -> None:
+        self.draft_len.pop(seq.request_id, None)
+        self.pending.pop(seq.request_id, None)
+
+    def _pick(self, logits: torch.Tensor, seqs, greedy: bool, width: int,
+              depth: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draw `width` tokens per row from logits [B, V] (or one per chain from [B, width, V]) at tree `depth`.
+        Returns tokens [B, width] and, for sampled batches, the processed q they came from [B, width, V]."""
+        B, V = logits.shape[0], logits.shape[-1]
+        if greedy:
+            if logits.dim() == 2:
+                return logits.topk(width, dim=-1).indices, None
+            return logits.argmax(-1), None
+        per_chain = logits.dim() == 3
+        rows = logits.reshape(-1, V)
+        temperature, top_k, top_p = params_tensors([s.params for s in seqs], [width if per_chain else 1] * B,
+                                                   device=logits.device)
+        q = processed_probs(rows, temperature, top_k, top_p).view(B, -1, V)  # [B, 1 or width, V]
+        q = q.expand(B, width, V)  # at the root, every chain draws independently from the same q
+        u = torch.tensor([s.draft_uniforms(depth, width) for s in seqs], dtype=torch.float64,
+                         device=logits.device)  # [B, w]
+        return sample_rows(q.reshape(-1, V), u.view(-1)).view(B, width), q
+
+    @torch.no_grad()
+    def propose(self, seqs, budgets: list[int]) -> list[DraftTree]:
+        trees = [DraftTree.empty() for _ in seqs]
+        rows = [i for i, b in enumerate(budgets) if b > 0]
+        if not rows:
+            return trees
+        # Greedy and sampled requests are drafted in separate batches (greedy needs no probabilities).
+        for greedy in (True, False):
+            group = [i for i in rows if seqs[i].params.greedy == greedy]
+            if group:
+                for i, tree in zip(group, self._draft([seqs[i] for i in group], [budgets[i] for i in group], greedy)):
+                    trees[i] = tree
+        return trees
+
+    def _draft(self, seqs, budgets: list[int], greedy: bool) -> list[DraftTree]:
+        device = self.model.device
+        width = self.config.num_drafts
+        K = min(max(budgets), self.config.num_speculative_tokens)
+        B = len(seqs)
+        slots = torch.tensor([s.slot for s in seqs])
+        tails = [s.token_ids[self.draft_len[s.request_id]:] for s in seqs]
+        tail_lens = torch.tensor([len(t) for t in tails])  # [B]
+        padded_tail = int(tail_lens.max())
+        tail_ids = torch.tensor([t + [0] * (padded_tail - len(t)) for t in tails], device=device)  # [B, Tt]
+        out = self.model(tail_ids, cache=self.cache, slots=slots)
+        root_logits = out.logits[torch.arange(B, device=device), (tail_lens - 1).to(device)]  # [B, V]
+        tokens, q = self._pick(root_logits, seqs, greedy, width, 0)  # [B, w], [B, w, V]
+        level_tokens, level_q = [tokens], [q]
+        # Level d nodes sit at position length + tail_len + d - 1; each chain sees the real tail and its own nodes.
+        base_pos = (self.cache.lengths[slots] + tail_lens).to(device)  # [B]
+        tail_visible = (torch.arange(padded_tail)[None, :] < tail_lens[:, None]).to(device)  # [B, Tt]
+        own_chain = torch.eye(width, dtype=torch.bool, device=device)
+        for depth in range(1, K):
+            mask = torch.cat([tail_visible[:, None, :].expand(B, width, padded_tail),
+                              own_chain.repeat(1, depth)[None].expand(B, width, width * depth)], dim=2)
+            positions = (base_pos + depth - 1)[:, None].expand(B, width)
+            out = self.model(level_tokens[-1], positions=positions, cache=self.cache, slots=slots,
+                             tree_mask=mask, pending=padded_tail + width * (depth - 1))
+            tokens, q = self._pick(out.logits, seqs, greedy, width, depth)
+            level_tokens.append(tokens)
+            level_q.append(q)
+        all_tokens = torch.stack(level_tokens, dim=2).cpu()  # [B, w, K]
+        all_q = None if greedy else torch.stack(level_q, dim=2)  # [B, w, K, V]
+        trees = []
+        for b, seq in enumerate(seqs):
+            k = min(budgets[b], K)
+            parents = [-1 if d == 0 else c * k + d - 1 for c in range(width) for d in range(k)]
+            probs = None if all_q is None else all_q[b, :, :k].reshape(width * k, -1)
+            trees.append(DraftTree(all_tokens[b, :, :k].reshape(-1), tuple(parents), probs))
+            self.pending[seq.request_id] = _Pending(int(tail_lens[b]), padded_tail, k, K - 1)
+        return trees
+
+    def observe(self, seqs, trees, results) -> None:
+        """Keep in the draft cache the real tail and the accepted nodes the draft has processed."""
+        rows, kept, n_kept = [], [], []
+        width = self.config.num_drafts
+        for seq, result in zip(seqs, results):
+            info = self.pending.pop(seq.request_id, None)
+            if info is None:
+                continue
+            chain = result.accepted[0] // info.depth if result.accepted else 0
+            fed = min(len(result.accepted), info.fed_depth)
+            offsets = list(range(info.tail_len)) + [info.padded_tail + width * d + chain for d in range(fed)]
+            rows.append(seq.slot)
+            kept.append(offsets)
+            n_kept.append(len(offsets))
+            self.draft_len[seq.request_id] += len(offsets)
+        if rows:
+            A = max(n_kept)
+            kept_t = torch.tensor([k + [k[-1]] * (A - len(k)) for k in kept])  # pad by repeating the last offset
+            self.cache.commit(torch.tensor(rows), kept_t, torch.tensor(n_kept))
+
+
+def _build(config, context) -> DraftModelProposer:
+    from pathlib import Path
+
+    from specdecode.model.config import ModelConfig
+    from specdecode.model.loading import load_model
+    from specdecode.model.tokenizer import Tokenizer
+    from specdecode.speculation.compat import check_compatible
+
+    draft_dir = Path(config.model)
+    draft_cfg = ModelConfig.from_file(draft_dir / "config.json")
+    check_compatible(context.tokenizer, Tokenizer(draft_dir, draft_cfg.eos_token_ids), context.target.config,
+                     draft_cfg)
+    draft = load_model(draft_dir, dtype=context.dtype, device=context.device)
+    return DraftModelProposer(DraftModelConfig(str(draft_dir), config.num_speculative_tokens, config.num_drafts),
+                              draft)
+
+
+METHOD = Method("draft_model", _build, model="draft", model_required=True, options=("num_drafts",),
+                nodes_per_level=lambda config: config.num_drafts, draft_memory="decoder",
+                cache_margin=lambda config: 2 + config.num_drafts * config.num_speculative_tokens, trainer="draft")

@@ -1,0 +1,212 @@
+"""EAGLE-2: greedy output identical to plain decoding, the target's features reach the head aligned, the dynamic
+tree's rerank, the speculator checks, and lossless sampling (chi-square, with a negative control)."""
+from pathlib import Path
+
+import pytest
+import torch
+
+import specdecode.engine.step as step_module
+from specdecode.engine.llm import LLM
+from specdecode.errors import CheckpointError, ConfigError
+from specdecode.sampling import SamplingParams
+from specdecode.speculation.heads import EagleHead
+from specdecode.speculation.proposers.eagle import EagleProposer, _Pool
+
+from tests.engine.test_control import FrozenCosts, synthetic_costs
+from .heads_fixtures import chi_square_p, copy_head, correction_from_p, keep_last_layer, load_target, save_speculator
+from .test_lossless_sampling import PARAMS, make_tiny_vocab_model
+
+PROMPTS = ["def add(a, b):", "class Point:\n    def __init__(self, x, y):\n        self.x = x", "for i in",
+           "import os\nimport sys\n", "x", "Speculative decoding drafts tokens cheaply and"]
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def one_layer(tiny_models, tmp_path_factory):
+    """A one-layer target and a head that copies it (so drafts are accepted, several levels deep)."""
+    from tests.conftest import make_checkpoint
+
+    root = tmp_path_factory.mktemp("eagle")
+    make_checkpoint(root / "target", tiny_models["tok"], seed=3, layers=1)
+    target = load_target(root / "target")
+    draft_to_target = torch.arange(3, target.config.vocab_size - 40)  # a cut vocabulary: some ids never drafted
+    save_speculator(copy_head(target, draft_to_target), target, root / "copy")
+    return root
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_greedy_is_exact_and_drafts_are_accepted(one_layer, batch):
+    plain = LLM(str(one_layer / "target"), dtype="float32", max_num_seqs=4).generate(PROMPTS, GREEDY)
+    config = {"method": "eagle", "model": str(one_layer / "copy"), "num_speculative_tokens": 4, "eagle_topk": 3,
+              "adaptive": False}
+    llm = LLM(str(one_layer / "target"), dtype="float32", speculative_config=config, max_num_seqs=batch)
+    outputs = llm.generate(PROMPTS, GREEDY)
+    for prompt, want, got in zip(PROMPTS, plain, outputs):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids, prompt
+    stats = llm.total_stats
+    assert stats.accepted_tokens < stats.draft_tokens, "drafts must be rejected sometimes"
+    assert stats.accepted_per_pos[1] > 0.2 * stats.steps, "and accepted often, two levels deep"
+
+
+def test_target_features_reach_the_head_aligned(tiny_models, monkeypatch, tmp_path):
+    """Every position's last-layer feature arrives once, in order, equal to a full forward's (prefill, plain and
+    tree steps, uneven batch)."""
+    target = load_target(tiny_models["target"])
+    torch.manual_seed(0)
+    save_speculator(EagleHead(target, torch.arange(target.config.vocab_size)), target, tmp_path / "head")
+    seen = {}
+    real = EagleProposer.observe_target
+
+    def spy(self, seqs, features):
+        for b, (seq, n) in enumerate(zip(seqs, features.counts)):
+            seen.setdefault(seq.request_id, []).append(features.layers[self.layer][b, :n].clone())
+        real(self, seqs, features)
+
+    monkeypatch.setattr(EagleProposer, "observe_target", spy)
+    config = {"method": "eagle", "model": str(tmp_path / "head"), "num_speculative_tokens": 3, "adaptive": False}
+    llm = LLM(str(tiny_models["target"]), dtype="float32", speculative_config=config, max_num_seqs=3)
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=1),
+              SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, use_speculation=False)]
+    outputs = llm.generate(PROMPTS[:3], params)
+    layer = target.config.num_hidden_layers - 1
+    for out in outputs:
+        ids = out.prompt_token_ids + out.outputs[0].token_ids
+        got = torch.cat(seen[out.request_id])  # [n, D]
+        with torch.no_grad():
+            want = target(torch.tensor([ids[:-1]]), hidden_layers=(layer,)).layer_hidden[layer][0]
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
+    assert llm.total_stats.draft_tokens > 0
+
+
+def test_rerank_keeps_the_best_nodes_and_their_ancestors():
+    """Against brute force: the chosen nodes are the best `nodes` by cumulative score among those shallower than
+    the cap, every parent is chosen too, and parents come first."""
+    gen = torch.Generator().manual_seed(0)
+    B, k, levels = 5, 3, 3
+    log_p = lambda *shape: torch.log_softmax(torch.randn(*shape, generator=gen), -1)[..., :k]  # noqa: E731
+    scores = log_p(B, 8)
+    pool = _Pool(scores, torch.arange(k).expand(B, k), torch.full((B, k), -1), 0)
+    for depth in range(1, levels):
+        first = pool.size - (k if depth == 1 else k * k)
+        parents = first + torch.randint(0, k if depth == 1 else k * k, (B, k), generator=gen)
+        parent_scores = torch.cat(pool.scores, 1).gather(1, parents)
+        child = (parent_scores[..., None] + log_p(B, k, 8)).reshape(B, k * k)
+        pool.append(child, torch.arange(k * k).expand(B, k * k) % 7, parents.repeat_interleave(k, 1), depth)
+    scores_all, parents_all = torch.cat(pool.scores, 1), torch.cat(pool.parents, 1)
+    depths_all = torch.cat(pool.depths, 1)
+    caps, nodes = [3, 2, 1, 3, 3], [6, 4, 2, 1, 30]
+    trees = pool.rerank(torch.tensor(caps), nodes, torch.arange(100, 107))
+    for b, tree in enumerate(trees):
+        allowed = [i for i in range(pool.size) if depths_all[b, i] < caps[b]]
+        best = sorted(allowed, key=lambda i: -scores_all[b, i])[:nodes[b]]
+        assert len(tree) == len(best)
+        assert sorted(tree.depths.tolist()) == sorted(depths_all[b, best].tolist())
+        assert all(-1 <= p < i for i, p in enumerate(tree.parents))
+        assert all(100 <= t < 107 for t in tree.tokens.tolist())
+        chosen = set(best)
+        assert all(parents_all[b, i] < 0 or int(parents_all[b, i]) in chosen for i in best)
+
+
+def test_speculator_checks(one_layer, tiny_models, tmp_path):
+    with pytest.raises(CheckpointError, match="trained for other target weights"):
+        LLM(str(tiny_models["target"]), dtype="float32",
+            speculative_config={"method": "eagle", "model": str(one_layer / "copy")})
+    with pytest.raises(ConfigError, match="holds a speculator of kind 'eagle'"):
+        LLM(str(one_layer / "target"), dtype="float32",
+            speculative_config={"method": "medusa", "model": str(one_layer / "copy")})
+    with pytest.raises(ConfigError, match="needs \"model\""):
+        LLM(str(one_layer / "target"), dtype="float32", speculative_config={"method": "eagle"})
+    with pytest.raises(CheckpointError, match="config.json"):
+        LLM(str(one_layer / "target"), dtype="float32", speculative_config={"method": "eagle", "model": str(tmp_path)})
+
+
+# -- lossless sampling ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def vocab8_eagle(tmp_path_factory):
+    """An 8-token target (in effect one layer) and an EAGLE head over 6 of its tokens that copies it."""
+    root = tmp_path_factory.mktemp("vocab8_eagle")
+    make_tiny_vocab_model(root / "target", seed=10)
+    keep_last_layer(root / "target")
+    target = load_target(root / "target")
+    save_speculator(copy_head(target, torch.tensor([0, 1, 2, 4, 5, 7])), target, root / "head")
+    return root
+
+
+def eagle_config(root):
+    return {"method": "eagle", "model": str(root / "head"), "num_speculative_tokens": 2, "eagle_topk": 3,
+            "num_tree_nodes": 6, "adaptive": False}
+
+
+@pytest.mark.parametrize("params_name", list(PARAMS))
+def test_sampling_from_eagle_trees_matches_the_target(vocab8_eagle, params_name, monkeypatch):
+    p_value, stats = chi_square_p(vocab8_eagle, eagle_config(vocab8_eagle), PARAMS[params_name], monkeypatch)
+    assert stats.accepted_per_pos[1] > 0, "whole paths of the tree must be accepted too"
+    assert p_value > 1e-3
+
+
+def test_negative_control_fails(vocab8_eagle, monkeypatch):
+    monkeypatch.setattr(step_module, "verify_sampling", correction_from_p)
+    p_value, _ = chi_square_p(vocab8_eagle, eagle_config(vocab8_eagle), PARAMS["t1"], monkeypatch)
+    assert p_value < 1e-6
+
+
+def test_trees_branch_and_respect_budgets(vocab8_eagle):
+    llm = LLM(str(vocab8_eagle / "target"), dtype="float32", speculative_config=eagle_config(vocab8_eagle))
+    seqs = [llm.make_sequence([0, 1, 2, 3][:n], SamplingParams(temperature=0, max_tokens=8)) for n in (1, 4)]
+    for slot, seq in enumerate(seqs):
+        seq.slot = slot
+    llm.runner.ensure_capacity(2, 16, llm.spec_config.tree_size)
+    llm.runner.prefill(seqs)
+    llm.runner._join(seqs, [2, 1])
+    trees = llm.proposer.propose(seqs, [2, 1])
+    assert len(trees[0]) == 6 and max(trees[0].depths.tolist()) <= 1  # 2 levels: 6 nodes
+    assert len(trees[1]) == 3 and max(trees[1].depths.tolist()) == 0  # 1 level: the 3 best children of the root
+    assert len(set(trees[1].tokens.tolist())) == 3 and set(trees[1].tokens.tolist()) <= {0, 1, 2, 4, 5, 7}
+
+
+def test_adaptive_trees_stay_exact(one_layer):
+    """With the speculation controller choosing the depth (and so the node budget) per step from measured costs
+    and per-depth acceptance."""
+    config = {"method": "eagle", "model": str(one_layer / "copy"), "num_speculative_tokens": 3, "adaptive": True}
+    llm = LLM(str(one_layer / "target"), dtype="float32", speculative_config=config, max_num_seqs=4)
+    assert llm.controller.nodes_per_level == 4
+    # Tiny models cost what they cost: measured costs (and the stopwatch) may rightly say never to draft. Costs where
+    # drafting pays make the adaptive path draft, so that its exactness is what this tests.
+    llm.controller.costs = synthetic_costs(cls=FrozenCosts)
+    llm.controller.min_evidence = float("inf")
+    plain = LLM(str(one_layer / "target"), dtype="float32", max_num_seqs=4).generate(PROMPTS, GREEDY)
+    outputs = llm.generate(PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in plain]
+    assert llm.total_stats.drafts > 0
+    assert sum(llm.controller.global_trials) > 30, "acceptance is learned per depth from the trees' steps"
+
+
+def test_cli_flags_name_the_speculator(one_layer, monkeypatch):
+    import argparse
+
+    from specdecode.cli.model_flags import add_model_args, resolve_models, speculative_config
+    from specdecode.catalog import registry
+
+    parser = argparse.ArgumentParser()
+    add_model_args(parser)
+    head = str(one_layer / "copy")
+    args = parser.parse_args(["--speculative-method", "eagle", "--speculative-model", head])
+    assert speculative_config(args) == {"method": "eagle", "model": head}
+    args = parser.parse_args(["--speculative-model", head, "--num-speculative-tokens", "3"])  # the kind is read
+    assert speculative_config(args) == {"method": "eagle", "model": head, "num_speculative_tokens": 3}
+    # A named model with shipped heads: the method alone picks them (resolving the model itself is not tested here).
+    monkeypatch.setitem(registry.SHIPPED_SPECULATORS, registry.DEFAULT_MODEL, {"eagle": "smollm2/eagle"})
+    monkeypatch.setattr("specdecode.cli.model_flags.resolve_model", lambda model: "target")
+    _, config, _ = resolve_models(parser.parse_args(["--speculative-method", "eagle"]))
+    assert config == {"method": "eagle", "model": str(Path(registry.__file__).parent / "smollm2" / "eagle")}
+    _, config, _ = resolve_models(parser.parse_args(["--speculative-method", "medusa"]))
+    assert config == {"method": "medusa"}  # none shipped: building the proposer asks for --speculative-model
+    with pytest.raises(ConfigError, match="needs --speculative-model"):  # no draft shipped: said at once
+        resolve_models(parser.parse_args(["--speculative-method", "draft_model"]))
+    monkeypatch.setitem(registry.SHIPPED_SPECULATORS, registry.DEFAULT_MODEL, {"draft_model": "smollm2/draft"})
+    _, config, _ = resolve_models(parser.parse_args(["--speculative-method", "draft_model"]))
+    assert config == {"method": "draft_model", "model": str(Path(registry.__file__).parent / "smollm2" / "draft")}
