@@ -8,9 +8,9 @@ import os
 import sys
 from pathlib import Path
 
-from specdecode.cli.types import (MAX_NUM_SEQS, POSITIVE, SECONDS, SEED, SPECULATIVE_TOKENS, TEMPERATURE, THREADS,
-                                  TOKENS, int_range)
-from specdecode.errors import CheckpointError
+from specdecode.cli.types import (MAX_NUM_SEQS, PORT, POSITIVE, SECONDS, SEED, SPECULATIVE_TOKENS, TEMPERATURE,
+                                  THREADS, TOKENS, float_range, int_range)
+from specdecode.errors import CheckpointError, ConfigError
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -95,7 +95,10 @@ def register(sub) -> None:
                    help="with --speed: wall (default) or cpu, the thread's CPU time (for a machine shared with "
                         "other jobs)")
     p.set_defaults(func=cmd_bench)
-    register_serve(p.add_subparsers(dest="bench_command", metavar="serve"))
+    tools = p.add_subparsers(dest="bench_command", metavar="serve|soak|fuzz")
+    register_serve(tools)
+    register_soak(tools)
+    register_fuzz(tools)
 
 
 def _checkpoints(args) -> tuple[Path, Path | None]:
@@ -216,3 +219,52 @@ def cmd_bench_serve(args) -> int:
     from specdecode.bench.serve_run import cmd_bench_serve as run
 
     return run(args)
+
+
+def register_soak(sub) -> None:
+    p = sub.add_parser("soak", help="soak `specdecode serve`: many clients for a bounded time, checked",
+                       description="Start `specdecode serve` (float32), run --clients concurrent clients for "
+                                   "--duration seconds (streaming or not, greedy or sampled, completions and chat, "
+                                   "random disconnects and cancellations), then check: no 5xx, every greedy answer "
+                                   "equal to offline generation, memory back near where it started, gauges at 0.")
+    p.add_argument("--clients", type=POSITIVE, default=64, help="concurrent clients (default 64)")
+    p.add_argument("--duration", type=SECONDS, default=600.0, help="seconds of load (default 600)")
+    p.add_argument("--warmup", type=float_range(0.0), default=30.0, help="seconds before memory is measured")
+    p.add_argument("--model", default=None, help="default: smollm2-135m-instruct")
+    p.add_argument("--speculative-method", default=None, help="the server's --speculative-method")
+    p.add_argument("--speculative-model", default=None, help="the server's --speculative-model")
+    p.add_argument("--max-num-seqs", type=MAX_NUM_SEQS, default=32, help="the server's --max-num-seqs")
+    p.add_argument("--seed", type=SEED, default=0)
+    p.add_argument("--json", default=None, help="write the report here")
+    p.set_defaults(func=_run("specdecode.bench.soak", "cmd_soak"))
+
+
+def register_fuzz(sub) -> None:
+    p = sub.add_parser("fuzz", help="fuzz the HTTP API from its OpenAPI schema (schemathesis; the [dev] extra)",
+                       description="Requests that follow /openapi.json and requests that break it, for every "
+                                   "operation; checks no 5xx, OpenAI-format 4xx, schema-conformant answers, and that "
+                                   "the server still answers afterwards.")
+    p.add_argument("--url", default=None, help="fuzz this running server (default: start one)")
+    p.add_argument("--model", default=None, help="model of the server started here (default: SmolLM2)")
+    p.add_argument("--speculative-model", default=None, help="draft of the server started here")
+    p.add_argument("--port", type=PORT, default=None)
+    p.add_argument("--max-model-len", type=int_range(2), default=96,
+                   help="context of the server started here (small, so generations are short)")
+    p.add_argument("--requests", type=POSITIVE, default=2000, help="at least this many requests")
+    p.add_argument("--seed", type=SEED, default=0)
+    p.add_argument("--workers", type=int_range(1, 256), default=8)
+    p.add_argument("--json", default=None, help="write the report here")
+    p.set_defaults(func=_run("specdecode.bench.fuzz", "cmd_fuzz", needs="schemathesis"))
+
+
+def _run(module: str, name: str, needs: str | None = None):
+    """A command function that imports its module only when it runs (and says which extra a missing need is in)."""
+    def command(args) -> int:
+        import importlib
+        import importlib.util
+
+        if needs is not None and importlib.util.find_spec(needs) is None:
+            raise ConfigError(f"{needs} is not installed: pip install -e '.[dev]'")
+        return getattr(importlib.import_module(module), name)(args)
+
+    return command

@@ -1,6 +1,6 @@
 """The OpenAPI schema the server publishes at /openapi.json: FastAPI's, plus the request bodies that the routes parse
 themselves (in worker threads, so FastAPI cannot see them), the answers, and OpenAI's error format for every 4xx.
-Fuzzers (tests/server/test_fuzz.py, benchmarks/fuzz_server.py) generate requests from it."""
+Fuzzers (tests/server/test_fuzz.py, `specdecode bench fuzz`) generate requests from it."""
 from __future__ import annotations
 
 from fastapi import FastAPI

@@ -1,7 +1,7 @@
 """Property-based fuzzing of the HTTP API (schemathesis, from the server's own /openapi.json): a bounded run against
 the tiny model with speculation on; no 5xx, every 4xx in OpenAI's error format, every answer as the schema says;
 afterwards the server still answers greedy requests exactly as offline generation does, with no request left
-running or waiting. (benchmarks/fuzz_server.py runs the same checks at length.)"""
+running or waiting. (specdecode bench fuzz runs the same checks at length.)"""
 import httpx
 import pytest
 
@@ -12,7 +12,7 @@ from .conftest import running_server, speculative_config
 from .test_server import metrics
 
 pytest.importorskip("schemathesis")
-from benchmarks.fuzz_server import fuzz, still_serves  # noqa: E402 (needs schemathesis)
+from specdecode.bench.fuzz import fuzz, still_serves  # noqa: E402 (needs schemathesis)
 
 CONTEXT = 64
 """A small context keeps every generated request short."""

@@ -1,11 +1,11 @@
-"""A short soak (benchmarks/soak.py) against `specdecode serve` in a child process on the tiny model, speculating:
+"""A short soak (specdecode bench soak) against `specdecode serve` in a child process on the tiny model, speculating:
 16 clients, streaming and not, greedy and sampled, completions and chat, some walking away mid-stream or cancelling;
 no 5xx, every completed greedy answer equals offline generation, the gauges return to 0 and the server's memory
 stays within 10% of what it was after warm-up. (The full run: 64 clients for 10 minutes on SmolLM2.)"""
 from specdecode.engine.llm import LLM
 
-from benchmarks.soak import SoakConfig, check_greedy, offline_generator, run_soak
-from benchmarks.serving import start_server, stop_server
+from specdecode.bench.soak import SoakConfig, check_greedy, offline_generator, run_soak
+from specdecode.bench.servers import start_server, stop_server
 
 
 def test_short_soak(tiny_models):

@@ -3,27 +3,23 @@ chat, with random mid-stream disconnects and cancelled requests. Checks: no 5xx;
 equals offline `LLM.generate` for the same prompt; no slot or memory leak (the server's RSS after the run within
 10% of its RSS after warm-up; the running and waiting gauges back to 0).
 
-    python benchmarks/soak.py                         # SmolLM2 (float32), 64 clients, 10 minutes
-    python benchmarks/soak.py --clients 16 --duration 60 --model DIR --speculative-model DRAFT
+    specdecode bench soak                         # SmolLM2 (float32), 64 clients, 10 minutes
+    specdecode bench soak --clients 16 --duration 60 --model DIR --speculative-model DRAFT
 
 tests/server/test_soak.py runs a short soak on the tiny test model with the same code.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import collections
 import dataclasses
 import json
 import random
-import sys
 import time
-from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serving import rss_bytes, start_server, stop_server  # noqa: E402
+from specdecode.bench.servers import rss_bytes, start_server, stop_server
 
 PROMPTS = [
     "What is the capital of France?",
@@ -256,18 +252,8 @@ def offline_generator(llm):
     return offline
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--clients", type=int, default=64)
-    parser.add_argument("--duration", type=float, default=600.0, help="seconds of load (default 600)")
-    parser.add_argument("--warmup", type=float, default=30.0)
-    parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
-    parser.add_argument("--speculative-method", default=None)
-    parser.add_argument("--speculative-model", default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=32)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", default=None)
-    args = parser.parse_args()
+def cmd_soak(args) -> int:
+    """`specdecode bench soak` (its flags: specdecode/cli/bench.py)."""
     config = SoakConfig(clients=args.clients, duration=args.duration, warmup=args.warmup, seed=args.seed)
     server_args = ["--dtype", "float32", "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", "512"]
     for flag in ("model", "speculative_method", "speculative_model"):
@@ -292,6 +278,3 @@ def main() -> int:
                        "rss_growth": report.rss_growth, "ok": report.ok}, f, indent=1)
     return 0 if report.ok else 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -3,26 +3,22 @@ the schema (positive) and requests that break it (negative), for every operation
 OpenAI's error format; every answer conforms to the schema's status codes, content types and bodies; the server
 still answers a plain request afterwards.
 
-    python benchmarks/fuzz_server.py --requests 2000            # starts `specdecode serve` (SmolLM2), fuzzes it
-    python benchmarks/fuzz_server.py --url http://127.0.0.1:8000 --requests 500
+    specdecode bench fuzz --requests 2000            # starts `specdecode serve` (SmolLM2), fuzzes it
+    specdecode bench fuzz --url http://127.0.0.1:8000 --requests 500
 
 tests/server/test_fuzz.py runs a bounded fuzz against the tiny test model with the same functions.
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import concurrent.futures
 import dataclasses
 import json
-import sys
 import time
-from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serving import start_server, stop_server  # noqa: E402
+from specdecode.bench.servers import start_server, stop_server
 
 ERROR_KEYS = {"message", "type", "param", "code"}
 
@@ -139,19 +135,8 @@ def still_serves(url: str, prompt: str = "Hello", max_tokens: int = 8) -> dict:
     return body
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--url", default=None, help="fuzz this running server (default: start one)")
-    parser.add_argument("--model", default=None, help="model for the server started here (default: SmolLM2)")
-    parser.add_argument("--speculative-model", default=None, help="draft for the server started here")
-    parser.add_argument("--port", type=int, default=None)
-    parser.add_argument("--max-model-len", type=int, default=96,
-                        help="context of the server started here (small, so generations are short)")
-    parser.add_argument("--requests", type=int, default=2000, help="at least this many requests")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--workers", type=int, default=8)
-    parser.add_argument("--json", default=None, help="write the report here")
-    args = parser.parse_args()
+def cmd_fuzz(args) -> int:
+    """`specdecode bench fuzz` (its flags: specdecode/cli/bench.py)."""
     proc = None
     url = args.url
     if url is None:
@@ -187,6 +172,3 @@ def main() -> int:
         if proc is not None:
             stop_server(proc)
 
-
-if __name__ == "__main__":
-    sys.exit(main())
