@@ -6,31 +6,17 @@ sequence but the last (the "pending" token): a step feeds [pending, tree nodes..
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 
 import torch
 
+from specdecode.engine.batch import StepBatch
 from specdecode.engine.sequence import Sequence
 from specdecode.model.llama import LlamaForCausalLM
 from specdecode.sampling import ACCEPT, DRAW, params_tensors, position_uniforms, processed_probs, sample_rows
 from specdecode.speculation.proposers.base import NO_FEATURES, Proposer, TargetFeatures
-from specdecode.speculation.tree import DraftTree, tree_shape
+from specdecode.speculation.tree import DraftTree
 from specdecode.speculation.verify import VerifyResult, verify_chains, verify_greedy, verify_sampling
-
-
-@functools.lru_cache(maxsize=4096)
-def verify_layout(parents: tuple[int, ...], width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mask [width, width] and position offsets [width] of [root, nodes..., padding] for one tree."""
-    n = len(parents)
-    mask = torch.zeros(width, width, dtype=torch.bool)
-    mask[:, 0] = True  # everyone sees the root (padding too: its output is never read)
-    mask[1:n + 1, 1:n + 1] = tree_shape(parents).attention_mask
-    mask[range(width), range(width)] = True
-    offsets = torch.ones(width, dtype=torch.long)
-    offsets[0] = 0
-    offsets[1:n + 1] += tree_shape(parents).depths
-    return mask, offsets
 
 
 @dataclasses.dataclass
@@ -149,22 +135,11 @@ class StepRunner:
             trees = [DraftTree.empty() for _ in seqs]
         t1 = time.perf_counter()
 
-        B = len(seqs)
-        width = 1 + max(t.pass_size for t in trees)  # lookahead branches ride along after the drafts
-        slots = torch.tensor([s.slot for s in seqs])
-        ids = torch.zeros(B, width, dtype=torch.long)
-        ids[:, 0] = torch.tensor([s.token_ids[-1] for s in seqs])
-        for b, tree in enumerate(trees):
-            ids[b, 1:1 + tree.pass_size] = tree.pass_tokens
-        if width == 1:
-            out = self.target(ids.to(device), cache=self.cache, slots=slots, hidden_layers=self.features.layers)
-        else:
-            layouts = [verify_layout(t.pass_parents, width) for t in trees]
-            mask = torch.stack([m for m, _ in layouts])  # [B, W, W]
-            positions = self.cache.lengths[slots][:, None] + torch.stack([o for _, o in layouts])  # [B, W]
-            out = self.target(ids.to(device), positions=positions.to(device), cache=self.cache, slots=slots,
-                              tree_mask=mask.to(device), hidden_layers=self.features.layers)
-        results = self._verify(seqs, trees, out.logits)
+        batch = StepBatch.build([s.token_ids[-1] for s in seqs], trees, [s.slot for s in seqs], self.cache.lengths,
+                                device)
+        out = self.target(batch.ids, cache=self.cache, hidden_layers=self.features.layers, **batch.target_inputs())
+        results = self._verify(seqs, batch, out.logits)
+        slots, width = batch.slots, batch.width
 
         A = max(len(r.accepted) for r in results) + 1
         kept = torch.tensor([[0] + [c + 1 for c in r.accepted] + [0] * (A - 1 - len(r.accepted))
@@ -188,11 +163,11 @@ class StepRunner:
                                       [int(t.depths.max()) + 1 if len(t) else 0 for t in trees])
         return deltas
 
-    def _verify(self, seqs: list[Sequence], trees: list[DraftTree], logits: torch.Tensor) -> list[VerifyResult]:
+    def _verify(self, seqs: list[Sequence], batch: StepBatch, logits: torch.Tensor) -> list[VerifyResult]:
         """logits [B, W, V] at [root, nodes..., lookahead nodes...] of each row. Also hands each lookahead branch
         the target's argmax at its nodes."""
+        trees = batch.trees
         results: list[VerifyResult | None] = [None] * len(seqs)
-        greedy = [b for b, s in enumerate(seqs) if s.params.greedy]
         sampled = [b for b, s in enumerate(seqs) if not s.params.greedy]
         read = [b for b, (s, t) in enumerate(zip(seqs, trees)) if s.params.greedy or t.lookahead is not None]
         if read:
@@ -213,10 +188,12 @@ class StepRunner:
             chains = [row for row, b in enumerate(sampled) if trees[b].shape.is_chain]
             if chains:
                 self._verify_chains([sampled[row] for row in chains], seqs, trees, p[chains], results)
-            for row, b in enumerate(sampled):
-                if results[b] is None:  # a branching tree: walk it node by node
-                    n = len(trees[b])
-                    results[b] = verify_sampling(trees[b], p[row, :n + 1].cpu(), seqs[b].step_uniforms())
+            branching = [row for row, b in enumerate(sampled) if results[b] is None]
+            if branching:  # walked node by node on the host, after one transfer (none on a CPU)
+                p_host = p.cpu()  # [S, W, V]
+                for row in branching:
+                    b = sampled[row]
+                    results[b] = verify_sampling(trees[b], p_host[row, :len(trees[b]) + 1], seqs[b].step_uniforms())
         return results
 
     @staticmethod

@@ -4,7 +4,7 @@ import random
 import pytest
 import torch
 
-from specdecode.engine.step import verify_layout
+from specdecode.engine.batch import verify_layout
 from specdecode.speculation.tree import DraftTree, chain_parents, tree_shape
 
 
