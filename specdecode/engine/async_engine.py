@@ -111,7 +111,7 @@ class AsyncEngine:
         self.max_waiting = max_waiting
         self.stall_timeout = stall_timeout
         self._clock = clock
-        tree = llm.spec_config.tree_size if llm.proposer is not None else 0
+        tree = llm.tree_size
         llm.runner.ensure_capacity(llm.max_num_seqs, llm.max_model_len, tree)
         if llm.proposer is not None and llm.controller is None:
             # Fixed K: the cost model still runs, for the realised-speedup gauge.

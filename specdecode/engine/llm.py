@@ -26,7 +26,8 @@ from specdecode.catalog.registry import default_speculative_config, model_name, 
 from specdecode.plan import memory_budget_bytes, plan_memory
 from specdecode.sampling import SamplingParams
 from specdecode.speculation.config import SpeculativeConfig, build_proposer, with_shipped_speculator
-from specdecode.speculation.control import SpecController, measure_costs
+from specdecode.speculation.calibrate import measure_costs
+from specdecode.speculation.control import SpecController
 
 
 class LLM:
@@ -94,8 +95,7 @@ class LLM:
         self.total_stats = SpecStats()
         self._ids = itertools.count()
         if budget is not None:  # allocate what the plan counted now, not at the first long request
-            self.runner.ensure_capacity(self.max_num_seqs, self.max_model_len,
-                                        self.spec_config.tree_size if self.proposer is not None else 0)
+            self.runner.ensure_capacity(self.max_num_seqs, self.max_model_len, self.tree_size)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (they also stop when this LLM is collected)."""
@@ -124,6 +124,11 @@ class LLM:
         costs = measure_costs(self.target, self.proposer.draft_network, self.max_num_seqs,
                               config.max_depth, nodes_per_level, widths=config.pass_widths)
         return SpecController(costs, config.max_depth, nodes_per_level, widths=config.pass_widths)
+
+    @property
+    def tree_size(self) -> int:
+        """The most nodes one sequence adds to a step's target pass (0: plain decoding)."""
+        return self.spec_config.tree_size if self.proposer is not None else 0
 
     @property
     def controller(self) -> SpecController | None:
@@ -189,7 +194,7 @@ class LLM:
     def _run(self, seqs: list[Sequence]) -> Iterator[dict[str, str]]:
         """Continuous batching over a fixed list of sequences; yields {request_id: new text} per step."""
         longest = max(min(len(s.token_ids) + s.params.max_tokens, self.max_model_len) for s in seqs)
-        tree = self.spec_config.tree_size if self.proposer is not None else 0
+        tree = self.tree_size
         slots = min(len(seqs), self.max_num_seqs)
         self.runner.ensure_capacity(slots, longest, tree)
         scheduler = self.make_scheduler(slots)

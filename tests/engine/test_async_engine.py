@@ -12,7 +12,8 @@ from specdecode.engine.async_engine import (AsyncEngine, EngineDead, EngineOverl
 from specdecode.engine.llm import LLM
 from specdecode.errors import ConfigError
 from specdecode.sampling import SamplingParams
-from specdecode.speculation.control import CostModel, SpecController
+from specdecode.speculation.control import SpecController
+from specdecode.speculation.cost import CostModel
 
 PROMPTS = ["def add(a, b):", "class Point:", "for i in range(10):", "import os", "print(", "self.x ="]
 WAIT = 60  # seconds before a test gives up waiting on the engine (it only matters when something is broken)

@@ -12,7 +12,7 @@ from specdecode.sampling import SamplingParams
 from specdecode.speculation.heads import EagleHead
 from specdecode.speculation.proposers.eagle import EagleProposer, _Pool
 
-from tests.engine.test_control import FrozenCosts, synthetic_costs
+from tests.speculation.test_control import FrozenCosts, synthetic_costs
 from .heads_fixtures import chi_square_p, copy_head, correction_from_p, keep_last_layer, load_target, save_speculator
 from .test_lossless_sampling import PARAMS, make_tiny_vocab_model
 

@@ -7,7 +7,9 @@ import torch
 
 from specdecode.engine.step import StepReport
 from specdecode.sampling import SamplingParams
-from specdecode.speculation.control import CostModel, Curve, SpecController, measure_costs
+from specdecode.speculation.calibrate import measure_costs
+from specdecode.speculation.control import SpecController
+from specdecode.speculation.cost import CostModel, Curve
 
 BATCHES = (1, 2, 4, 8, 16, 32)
 MAX_K = 5
@@ -124,7 +126,7 @@ def test_a_bad_patch_is_forgotten_after_plain_steps():
 
 
 def test_calibration_smoothing_is_linear_in_k_and_monotone():
-    from specdecode.speculation.control import _smooth
+    from specdecode.speculation.calibrate import _smooth
 
     noisy = {0: {1: 1.0, 2: 1.1, 4: 2.5}, 1: {1: 1.6, 2: 1.5, 4: 3.0}, 2: {1: 1.4, 2: 2.0, 4: 3.4},
              3: {1: 2.0, 2: 1.9, 4: 3.6}}
@@ -238,7 +240,7 @@ class CountingModel:
 def test_start_up_timing_is_bounded_whatever_the_sizes(monkeypatch):
     """The largest K and batch the flags allow: a subset of draft lengths, no pass over MAX_CALIBRATED_TOKENS, and
     once the time budget is spent nothing new is started (counted in passes, not seconds)."""
-    from specdecode.speculation import control
+    from specdecode.speculation import calibrate as control
 
     clock = [0.0]
     monkeypatch.setattr(control.time, "perf_counter", lambda: clock[0])
