@@ -207,12 +207,12 @@ class RequestRandom:
         return [self.uniform(i >> 20, SEQUENTIAL, i & 0xFFFFF) for i in range(start, start + n)]
 
 
-def position_uniforms(keys: list[int], starts: list[int], width: int, stream: int) -> torch.Tensor:
-    """[R, width] float64: row r, column d holds RequestRandom(key r).uniform(starts[r] + d, stream), for many rows at
-    once."""
+def position_uniforms(keys: list[int], starts: list[int], width: int, stream: int, index: int = 0) -> torch.Tensor:
+    """[R, width] float64: row r, column d holds RequestRandom(key r).uniform(starts[r] + d, stream, index), for many
+    rows at once."""
     key = np.array(keys, dtype=np.uint64)[:, None]  # [R, 1]
     positions = np.array(starts, dtype=np.uint64)[:, None] + np.arange(width, dtype=np.uint64)[None, :]  # [R, W]
-    counters = (positions << np.uint64(24)) | np.uint64(stream << 20)
+    counters = (positions << np.uint64(24)) | np.uint64(stream << 20) | np.uint64(index)
     z = _mix64_array(key + np.uint64(_GAMMA) * (counters + np.uint64(1)))
     return torch.from_numpy((z >> np.uint64(11)).astype(np.float64) * 2.0 ** -53)
 

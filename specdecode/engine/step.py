@@ -13,10 +13,10 @@ import torch
 from specdecode.engine.batch import StepBatch
 from specdecode.engine.sequence import Sequence
 from specdecode.model.llama import LlamaForCausalLM
-from specdecode.sampling import ACCEPT, DRAW, params_tensors, position_uniforms, processed_probs, sample_rows
+from specdecode.sampling import DRAW, params_tensors, position_uniforms, processed_probs, sample_rows
 from specdecode.speculation.proposers.base import NO_FEATURES, Proposer, TargetFeatures
 from specdecode.speculation.tree import DraftTree
-from specdecode.speculation.verify import VerifyResult, verify_chains, verify_greedy, verify_sampling
+from specdecode.speculation.verify import verify_step
 
 
 @dataclasses.dataclass
@@ -138,7 +138,8 @@ class StepRunner:
         batch = StepBatch.build([s.token_ids[-1] for s in seqs], trees, [s.slot for s in seqs], self.cache.lengths,
                                 device)
         out = self.target(batch.ids, cache=self.cache, hidden_layers=self.features.layers, **batch.target_inputs())
-        results = self._verify(seqs, batch, out.logits)
+        results = verify_step(trees, out.logits, [s.params for s in seqs], [s.random.key for s in seqs],
+                              [s.num_generated for s in seqs])
         slots, width = batch.slots, batch.width
 
         A = max(len(r.accepted) for r in results) + 1
@@ -162,64 +163,3 @@ class StepRunner:
                                       [len(r.accepted) for r in results], join_time,
                                       [int(t.depths.max()) + 1 if len(t) else 0 for t in trees])
         return deltas
-
-    def _verify(self, seqs: list[Sequence], batch: StepBatch, logits: torch.Tensor) -> list[VerifyResult]:
-        """logits [B, W, V] at [root, nodes..., lookahead nodes...] of each row. Also hands each lookahead branch
-        the target's argmax at its nodes."""
-        trees = batch.trees
-        results: list[VerifyResult | None] = [None] * len(seqs)
-        sampled = [b for b, s in enumerate(seqs) if not s.params.greedy]
-        read = [b for b, (s, t) in enumerate(zip(seqs, trees)) if s.params.greedy or t.lookahead is not None]
-        if read:
-            rows = logits if len(read) == len(seqs) else logits[read]  # indexing by a list would copy the logits
-            argmax = rows.argmax(-1).tolist()  # the step's one host synchronisation (greedy rows)
-            for row, b in zip(argmax, read):
-                tree = trees[b]
-                if tree.lookahead is not None:
-                    tree.lookahead.outputs = row[1 + len(tree):1 + tree.pass_size]
-                if seqs[b].params.greedy:
-                    results[b] = verify_greedy(tree, row)
-        if sampled:
-            W, V = 1 + max(len(trees[b]) for b in sampled), logits.shape[2]  # draft nodes only
-            params = [seqs[b].params for b in sampled]
-            p = processed_probs(logits[sampled, :W].reshape(-1, V),
-                                *params_tensors(params, [W] * len(sampled), device=logits.device))
-            p = p.view(len(sampled), W, V)
-            chains = [row for row, b in enumerate(sampled) if trees[b].shape.is_chain]
-            if chains:
-                self._verify_chains([sampled[row] for row in chains], seqs, trees, p[chains], results)
-            branching = [row for row, b in enumerate(sampled) if results[b] is None]
-            if branching:  # walked node by node on the host, after one transfer (none on a CPU)
-                p_host = p.cpu()  # [S, W, V]
-                for row in branching:
-                    b = sampled[row]
-                    results[b] = verify_sampling(trees[b], p_host[row, :len(trees[b]) + 1], seqs[b].step_uniforms())
-        return results
-
-    @staticmethod
-    def _verify_chains(rows: list[int], seqs: list[Sequence], trees: list[DraftTree], p: torch.Tensor,
-                       results: list) -> None:
-        """Sampled rows whose drafts are chains, verified together. p [R, W, V]."""
-        K = p.shape[1] - 1
-        chains = [trees[b] for b in rows]
-        tokens = torch.zeros(len(rows), K, dtype=torch.long)
-        lengths = torch.tensor([len(t) for t in chains])
-        for i, t in enumerate(chains):
-            tokens[i, :len(t)] = t.tokens
-        q = None
-        if any(t.draft_probs is not None for t in chains):
-            # Rows with one-hot drafts get q = one-hot(x), which is the same rule as q = None.
-            q = torch.zeros(len(rows), K, p.shape[2], device=p.device)
-            for i, t in enumerate(chains):
-                if t.draft_probs is not None:
-                    q[i, :len(t)] = t.draft_probs.to(p.device)
-                else:
-                    q[i, :len(t)].scatter_(1, t.tokens[:, None].to(p.device), 1.0)
-        # Each row's uniforms belong to its own output positions: the batch's widest chain changes nothing.
-        keys, starts = [seqs[b].random.key for b in rows], [seqs[b].num_generated for b in rows]
-        u_accept = position_uniforms(keys, starts, K, ACCEPT)  # [R, K]
-        u_draw = position_uniforms(keys, starts, K + 1, DRAW)  # [R, K + 1]
-        n_matches, next_token = verify_chains(p, q, tokens.to(p.device), lengths.to(p.device), u_accept.to(p.device),
-                                              u_draw.to(p.device))
-        for b, n, x in zip(rows, n_matches.tolist(), next_token.tolist()):
-            results[b] = VerifyResult(list(range(n)), x)

@@ -1,12 +1,12 @@
-"""Deliberately wrong verifiers, each a small edit of the real one, for showing that certify has power: injected into
-the step loop (specdecode.engine.step imports the verifiers by name) with monkeypatch.setattr."""
+"""Deliberately wrong verifiers, each a small edit of the real one, for showing that certify has power: injected where
+the step verifies (specdecode.speculation.verify's verify_chains and verify_trees) with monkeypatch.setattr."""
 from __future__ import annotations
 
 import dataclasses
 
 import torch
 
-import specdecode.engine.step as step_module
+import specdecode.speculation.verify as verify_module
 from specdecode.sampling import sample_from, sample_rows
 from specdecode.speculation.verify import VerifyResult, verify_chains, verify_sampling
 
@@ -81,9 +81,14 @@ BROKEN = {
     "q_other_temperature": {"verify_chains": chains_q_other_temperature(), "verify_sampling": tree_q_other_temperature()},
     "siblings_unnormalised": {"verify_sampling": tree_siblings_unnormalised},
 }
-"""Name -> the step module's verifier functions to replace."""
+"""Name -> the verifier functions to replace (verify_sampling: the rule for each sampled tree)."""
 
 
 def inject(monkeypatch, name: str) -> None:
+    from tests.speculation.heads_fixtures import per_tree
+
     for attr, fn in BROKEN[name].items():
-        monkeypatch.setattr(step_module, attr, fn)
+        if attr == "verify_sampling":  # a per-tree rule, where the step verifies every tree at once
+            monkeypatch.setattr(verify_module, "verify_trees", per_tree(fn))
+        else:
+            monkeypatch.setattr(verify_module, attr, fn)

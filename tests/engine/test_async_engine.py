@@ -7,6 +7,7 @@ import threading
 import pytest
 
 import specdecode.engine.step as step_module
+import specdecode.speculation.verify as verify_module
 from specdecode.engine.async_engine import (AsyncEngine, EngineDead, EngineOverloaded, RequestAborted,
                                             RequestFailed)
 from specdecode.engine.llm import LLM
@@ -127,7 +128,8 @@ def poisoned(calls: list, in_prefill: bool):
 @pytest.mark.parametrize("in_prefill", [True, False], ids=["prefill", "decode"])
 def test_a_request_that_breaks_a_step_fails_alone(engine, llm_factory, monkeypatch, in_prefill):
     calls = []
-    monkeypatch.setattr(step_module, "params_tensors", poisoned(calls, in_prefill))
+    # The prefill samples its first tokens in the step loop; a decode step's sampled rows are verified in speculation.
+    monkeypatch.setattr(step_module if in_prefill else verify_module, "params_tensors", poisoned(calls, in_prefill))
     bystanders = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
                   SamplingParams(temperature=1.0, seed=3, max_tokens=30, ignore_eos=True),
                   SamplingParams(temperature=0.8, seed=4, max_tokens=25, ignore_eos=True)]

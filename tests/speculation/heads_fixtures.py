@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from specdecode.model.loading import load_model, save_model
 from specdecode.speculation.heads import EagleHead, HeadConfig, MedusaHeads, save_head
+from specdecode.speculation.tree import DraftTree
 from specdecode.speculation.verify import VerifyResult, verify_sampling
 from specdecode.model.digest import weights_digest
 
@@ -112,3 +113,55 @@ def chi_square_p(root: Path, config: dict, params, monkeypatch, samples: int = 8
     target_dir = root / "target"
     drawn, llm, _ = lossless.speculative_samples(target_dir, config, params)
     return lossless.goodness_of_fit(lossless.exact_distribution(target_dir, params), drawn), llm.total_stats
+
+
+class TableUniforms:
+    """StepUniforms' interface over the verifier's tables: accept(depth, child) = u_accept[depth, child]."""
+
+    def __init__(self, u_accept: torch.Tensor, u_draw: torch.Tensor):
+        self.u_accept, self.u_draw = u_accept, u_draw
+
+    def accept(self, depth: int, child: int) -> float:
+        return float(self.u_accept[depth, child])
+
+    def draw(self, depth: int) -> float:
+        return float(self.u_draw[depth])
+
+
+def per_tree(verify_one):
+    """verify_trees' signature over a verifier of one tree (tree, p_all, uniforms) - to inject a wrong rule where
+    the step verifies its sampled trees (monkeypatch specdecode.speculation.verify.verify_trees)."""
+    def verify(p, q, tokens, children, u_accept, u_draw):
+        B, D = u_draw.shape
+        accepted = torch.full((B, D), -1, dtype=torch.long)
+        next_token = torch.zeros(B, dtype=torch.long)
+        for b in range(B):
+            parents = {}
+            for node, kids in enumerate(children[b].tolist()):
+                for child in kids:
+                    if child >= 0:
+                        parents[child] = node - 1
+            n = len(parents)
+            tree = DraftTree(tokens=tokens[b, :n].cpu(), parents=tuple(parents[i] for i in range(n)),
+                             draft_probs=None if q is None else q[b, :n].cpu())
+            result = verify_one(tree, p[b, :n + 1].cpu(), TableUniforms(u_accept[b], u_draw[b]))
+            accepted[b, :len(result.accepted)] = torch.tensor(result.accepted, dtype=torch.long)
+            next_token[b] = result.next_token
+        return accepted.to(p.device), next_token.to(p.device)
+    return verify
+
+
+def chains_by(verify_one):
+    """verify_chains' signature over a verifier of one tree, so that sampled chains take that rule too (monkeypatch
+    specdecode.speculation.verify.verify_chains)."""
+    def verify(p, q, tokens, lengths, u_accept, u_draw):
+        B = len(tokens)
+        n_matches = torch.zeros(B, dtype=torch.long)
+        next_token = torch.zeros(B, dtype=torch.long)
+        for b in range(B):
+            n = int(lengths[b])
+            tree = DraftTree.chain(tokens[b, :n].cpu(), None if q is None else q[b, :n].cpu())
+            result = verify_one(tree, p[b, :n + 1].cpu(), TableUniforms(u_accept[b][:, None], u_draw[b]))
+            n_matches[b], next_token[b] = len(result.accepted), result.next_token
+        return n_matches.to(p.device), next_token.to(p.device)
+    return verify

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import specdecode.engine.step as step_module
+import specdecode.speculation.verify as verify_module
 from specdecode.engine.llm import LLM
 from specdecode.errors import CheckpointError, ConfigError
 from specdecode.sampling import SamplingParams
@@ -13,7 +13,8 @@ from specdecode.speculation.heads import EagleHead
 from specdecode.speculation.proposers.eagle import EagleProposer, _Pool
 
 from tests.speculation.test_control import FrozenCosts, synthetic_costs
-from .heads_fixtures import chi_square_p, copy_head, correction_from_p, keep_last_layer, load_target, save_speculator
+from .heads_fixtures import (chi_square_p, copy_head, correction_from_p, keep_last_layer, load_target, per_tree,
+                             save_speculator)
 from .test_lossless_sampling import PARAMS, make_tiny_vocab_model
 
 PROMPTS = ["def add(a, b):", "class Point:\n    def __init__(self, x, y):\n        self.x = x", "for i in",
@@ -149,7 +150,7 @@ def test_sampling_from_eagle_trees_matches_the_target(vocab8_eagle, params_name,
 
 
 def test_negative_control_fails(vocab8_eagle, monkeypatch):
-    monkeypatch.setattr(step_module, "verify_sampling", correction_from_p)
+    monkeypatch.setattr(verify_module, "verify_trees", per_tree(correction_from_p))
     p_value, _ = chi_square_p(vocab8_eagle, eagle_config(vocab8_eagle), PARAMS["t1"], monkeypatch)
     assert p_value < 1e-6
 

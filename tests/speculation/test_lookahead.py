@@ -4,13 +4,13 @@ lossless sampling (chi-square, with a negative control)."""
 import pytest
 import torch
 
-import specdecode.engine.step as step_module
+import specdecode.speculation.verify as verify_module
 from specdecode.engine.llm import LLM
 from specdecode.sampling import SamplingParams
 from specdecode.speculation.proposers.lookahead import LookaheadConfig, NgramPool, _State
 from specdecode.speculation.tree import merge_paths, tree_shape
 
-from .heads_fixtures import chi_square_p, correction_from_p
+from .heads_fixtures import chains_by, chi_square_p, correction_from_p, per_tree
 from .test_lossless_sampling import PARAMS, make_tiny_vocab_model
 
 
@@ -127,13 +127,7 @@ def test_sampling_with_lookahead_matches_the_target(vocab8, params_name, monkeyp
 
 
 def test_negative_control_fails(vocab8, monkeypatch):
-    monkeypatch.setattr(step_module, "verify_sampling", correction_from_p)
-    monkeypatch.setattr(step_module.StepRunner, "_verify_chains", staticmethod(_chains_as_trees))
+    monkeypatch.setattr(verify_module, "verify_trees", per_tree(correction_from_p))
+    monkeypatch.setattr(verify_module, "verify_chains", chains_by(correction_from_p))
     p_value, _ = chi_square_p(vocab8, lookahead_config(), PARAMS["t0.7_top_p0.9"], monkeypatch)
     assert p_value < 1e-6
-
-
-def _chains_as_trees(rows, seqs, trees, p, results):
-    """Sampled chains through the (patched) tree verifier too, so that the wrong rule decides every row."""
-    for i, b in enumerate(rows):
-        results[b] = step_module.verify_sampling(trees[b], p[i, :len(trees[b]) + 1].cpu(), seqs[b].step_uniforms())

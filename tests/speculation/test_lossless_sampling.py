@@ -15,7 +15,7 @@ import torch
 from scipy.stats import chisquare
 from tokenizers import Tokenizer, models
 
-import specdecode.engine.step as step_module
+import specdecode.speculation.verify as verify_module
 from specdecode.engine.llm import LLM
 from specdecode.model.config import ModelConfig
 from specdecode.model.llama import LlamaForCausalLM
@@ -212,7 +212,7 @@ def wrong_verify_chains_without_residual(p, q, tokens, lengths, u_accept, u_draw
 
 
 def test_negative_control_wrong_verifier_is_detected(vocab8, monkeypatch):
-    monkeypatch.setattr(step_module, "verify_chains", wrong_verify_chains_without_residual)
+    monkeypatch.setattr(verify_module, "verify_chains", wrong_verify_chains_without_residual)
     params = PARAMS["t1"]
     samples, _, _ = speculative_samples(vocab8 / "target", draft(vocab8, 1), params)
     assert goodness_of_fit(exact_distribution(vocab8 / "target", params), samples) < 1e-6

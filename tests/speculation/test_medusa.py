@@ -8,13 +8,14 @@ import random
 import pytest
 import torch
 
-import specdecode.engine.step as step_module
+import specdecode.speculation.verify as verify_module
 from specdecode.engine.llm import LLM
 from specdecode.sampling import SamplingParams
 from specdecode.speculation.proposers.medusa import greedy_tree, rank_accuracy
 from specdecode.speculation.tree import paths_to_parents
 
-from .heads_fixtures import chi_square_p, correction_from_p, load_target, save_speculator, target_text, train_medusa
+from .heads_fixtures import (chi_square_p, correction_from_p, load_target, per_tree, save_speculator, target_text,
+                             train_medusa)
 from .test_lossless_sampling import PARAMS, make_tiny_vocab_model
 
 
@@ -88,6 +89,6 @@ def test_sampling_from_medusa_trees_matches_the_target(vocab8_medusa, params_nam
 
 
 def test_negative_control_fails(vocab8_medusa, monkeypatch):
-    monkeypatch.setattr(step_module, "verify_sampling", correction_from_p)
+    monkeypatch.setattr(verify_module, "verify_trees", per_tree(correction_from_p))
     p_value, _ = chi_square_p(vocab8_medusa, medusa_config(vocab8_medusa), PARAMS["t0.7_top_p0.9"], monkeypatch)
     assert p_value < 1e-6

@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 import torch
 
-import specdecode.engine.step as step_module
+import specdecode.speculation.verify as verify_module
 from specdecode.cli import main
 from specdecode.engine.llm import LLM
 from specdecode.errors import ConfigError
@@ -16,8 +16,7 @@ from specdecode.sampling import SamplingParams
 from specdecode.speculation.datastore import Datastore, write_datastore
 from specdecode.speculation.proposers.rest import frequency_tree
 
-from .heads_fixtures import chi_square_p, correction_from_p
-from .test_lookahead import _chains_as_trees
+from .heads_fixtures import chains_by, chi_square_p, correction_from_p, per_tree
 from .test_lossless_sampling import PARAMS, PROMPT, make_tiny_vocab_model
 
 
@@ -182,8 +181,8 @@ def test_sampling_from_rest_trees_matches_the_target(vocab8_rest, params_name, m
 
 
 def test_negative_control_fails(vocab8_rest, monkeypatch):
-    monkeypatch.setattr(step_module, "verify_sampling", correction_from_p)
-    monkeypatch.setattr(step_module.StepRunner, "_verify_chains", staticmethod(_chains_as_trees))
+    monkeypatch.setattr(verify_module, "verify_trees", per_tree(correction_from_p))
+    monkeypatch.setattr(verify_module, "verify_chains", chains_by(correction_from_p))
     p_value, _ = chi_square_p(vocab8_rest, rest_config(vocab8_rest), PARAMS["t0.7_top_p0.9"], monkeypatch)
     assert p_value < 1e-6
 
