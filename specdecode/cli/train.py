@@ -159,10 +159,10 @@ def cmd_features(args) -> int:
 
 def _head_command(kind: str):
     def command(args) -> int:
-        from specdecode.train import head_cli
+        from specdecode.train import head_training
 
         args.kind = kind
-        return head_cli.run(args)
+        return head_training.run(args)
     return command
 
 
