@@ -18,7 +18,8 @@ from tqdm import tqdm
 
 from specdecode import LLM, SamplingParams
 from specdecode.bench.tables import method_table
-from specdecode.catalog import sharegpt, speculators
+from specdecode.catalog import sharegpt
+from specdecode.train import speculators
 
 
 def heldout_prompts(tokenizer, n: int, max_prompt_tokens: int) -> list[list[int]]:

@@ -21,7 +21,8 @@ from tqdm import tqdm
 
 from specdecode import LLM, SamplingParams
 from specdecode.bench.tables import method_table
-from specdecode.catalog import sharegpt, speculators
+from specdecode.catalog import sharegpt
+from specdecode.train import speculators
 
 METHODS = {"ngram": {"method": "ngram"}, "lookahead": {"method": "lookahead"}, "rest": {"method": "rest"},
            "eagle": {"method": "eagle"}, "medusa": {"method": "medusa"}, "draft_model": {"method": "draft_model"}}

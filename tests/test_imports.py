@@ -1,22 +1,25 @@
-"""Every `from specdecode... import name` in the package names something that exists, including the imports inside
-functions that only run on some paths (a renamed module or a moved function breaks no other test there)."""
+"""Every `from specdecode... import name` in the package, its benchmark scripts and docs/layers.py names something
+that exists, including the imports inside functions that only run on some paths (a renamed module or a moved
+function breaks no other test there)."""
 import ast
 import importlib
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "specdecode"
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "specdecode"
+SOURCES = [*sorted(PACKAGE.rglob("*.py")), *sorted((ROOT / "benchmarks").glob("*.py")), ROOT / "docs" / "layers.py"]
 
 
 def package_imports():
-    for path in sorted(PACKAGE.rglob("*.py")):
+    for path in SOURCES:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("specdecode") \
                     and node.level == 0:
-                yield path.relative_to(PACKAGE.parent), node.lineno, node.module, [a.name for a in node.names]
+                yield path.relative_to(ROOT), node.lineno, node.module, [a.name for a in node.names]
             elif isinstance(node, ast.Import):
                 for alias in node.names:
                     if alias.name.startswith("specdecode"):
-                        yield path.relative_to(PACKAGE.parent), node.lineno, alias.name, []
+                        yield path.relative_to(ROOT), node.lineno, alias.name, []
 
 
 def test_every_import_of_the_package_resolves():
