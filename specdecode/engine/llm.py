@@ -13,20 +13,17 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specdecode.parallel.launch import launch_tensor_parallel
-from specdecode.parallel.tp import check_draft_tensor_parallel
 from specdecode.engine.budget import DraftBudget
+from specdecode.engine.parts import load_target, make_controller, plan_batch
 from specdecode.engine.scheduler import Scheduler
 from specdecode.engine.sequence import RequestOutput, Sequence, SpecStats
 from specdecode.engine.step import StepRunner
 from specdecode.errors import ConfigError
-from specdecode.model.loading import load_model, resolve_device
+from specdecode.model.loading import resolve_device
 from specdecode.model.tokenizer import Tokenizer
 from specdecode.catalog.registry import default_speculative_config, model_name, resolve_model
-from specdecode.plan import memory_budget_bytes, plan_memory
 from specdecode.sampling import SamplingParams
 from specdecode.speculation.config import SpeculativeConfig, build_proposer, with_shipped_speculator
-from specdecode.speculation.calibrate import measure_costs
 from specdecode.speculation.control import SpecController
 
 
@@ -66,22 +63,12 @@ class LLM:
         self.model_dir = resolve_model(model)
         self.device = resolve_device(device)
         self.spec_config = SpeculativeConfig.parse(with_shipped_speculator(speculative_config, model))
-        budget = memory_budget_bytes(self.device, memory_budget, gpu_memory_utilization)
-        if budget is not None:
-            self.plan = plan_memory(self.model_dir, budget, max_model_len, max_num_seqs, self.spec_config, dtype,
-                                    self.device, tensor_parallel_size, quantization=quantization)
-            if self.plan.largest_batch() < 1:
-                raise ConfigError(self.plan.refusal())
-            max_num_seqs = min(max_num_seqs, self.plan.largest_batch())
-        check_draft_tensor_parallel(draft_tensor_parallel_size)
-        if tensor_parallel_size < 1:
-            raise ConfigError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+        self.plan, max_num_seqs = plan_batch(self.model_dir, self.spec_config, dtype, self.device, max_num_seqs,
+                                             max_model_len, tensor_parallel_size, quantization, memory_budget,
+                                             gpu_memory_utilization)
         self.tensor_parallel_size = tensor_parallel_size
-        if tensor_parallel_size > 1:
-            self.target = launch_tensor_parallel(self.model_dir, tensor_parallel_size, dtype, self.device,
-                                                 quantization)
-        else:
-            self.target = load_model(self.model_dir, dtype=dtype, device=self.device, quantization=quantization)
+        self.target = load_target(self.model_dir, dtype, self.device, quantization, tensor_parallel_size,
+                                  draft_tensor_parallel_size)
         self.tokenizer = Tokenizer(self.model_dir, self.target.config.eos_token_ids)
         self.max_num_seqs = max_num_seqs
         self.max_model_len = min(max_model_len or self.target.config.max_position_embeddings,
@@ -94,7 +81,7 @@ class LLM:
                                         self.max_model_len, controller)
         self.total_stats = SpecStats()
         self._ids = itertools.count()
-        if budget is not None:  # allocate what the plan counted now, not at the first long request
+        if self.plan is not None:  # allocate what the plan counted now, not at the first long request
             self.runner.ensure_capacity(self.max_num_seqs, self.max_model_len, self.tree_size)
 
     def close(self) -> None:
@@ -118,12 +105,8 @@ class LLM:
                         self.tokenizer.eos_token_ids)
 
     def make_controller(self) -> SpecController:
-        """An adaptive speculation controller, after timing this machine's target passes and draft forwards."""
-        config = self.spec_config
-        nodes_per_level = config.nodes_per_level
-        costs = measure_costs(self.target, self.proposer.draft_network, self.max_num_seqs,
-                              config.max_depth, nodes_per_level, widths=config.pass_widths)
-        return SpecController(costs, config.max_depth, nodes_per_level, widths=config.pass_widths)
+        """An adaptive speculation controller for this engine (times the machine: seconds)."""
+        return make_controller(self.target, self.proposer, self.spec_config, self.max_num_seqs)
 
     @property
     def tree_size(self) -> int:

@@ -40,6 +40,10 @@ class SpecStats:
         """Tokens emitted per target step (accepted + 1), the quantity that buys the speedup."""
         return (self.accepted_tokens + self.steps) / self.steps if self.steps else 0.0
 
+    def record(self, report, row: int) -> None:
+        """This request's row of a step's StepReport (engine/step.py)."""
+        self.record_step(report.draft_lens[row], report.accepted_lens[row], report.draft_time, report.verify_time)
+
     def record_step(self, draft_len: int, accepted: int, draft_time: float, verify_time: float) -> None:
         self.steps += 1
         self.drafts += draft_len > 0

@@ -21,7 +21,8 @@ from specdecode.speculation.verify import verify_step
 
 @dataclasses.dataclass
 class StepReport:
-    """What the last step did, for the speculation controller and the metrics."""
+    """The one stats record of a step: each sequence's SpecStats takes its row (and, when the sequence leaves, the
+    engine's totals take those), the Prometheus metrics and the speculation controller read the whole of it."""
 
     width: int
     """Tokens per row of the target pass (1 + the largest tree)."""
@@ -150,16 +151,15 @@ class StepRunner:
         self.cache.commit(slots, kept, torch.tensor(n_kept))
         t2 = time.perf_counter()
 
+        report = StepReport(width, t1 - t0, t2 - t1, [len(t) for t in trees], [len(r.accepted) for r in results],
+                            join_time, [int(t.depths.max()) + 1 if len(t) else 0 for t in trees])
         deltas = []
-        for seq, tree, result in zip(seqs, trees, results):
-            tokens = tree.tokens[result.accepted].tolist() + [result.next_token]
-            seq.stats.record_step(len(tree), len(result.accepted), t1 - t0, t2 - t1)
-            deltas.append(self._append(seq, tokens))
+        for row, (seq, tree, result) in enumerate(zip(seqs, trees, results)):
+            seq.stats.record(report, row)
+            deltas.append(self._append(seq, tree.tokens[result.accepted].tolist() + [result.next_token]))
         if self.proposer is not None:
             self.proposer.observe(seqs, trees, results)
         if self.features.wanted:  # the hidden states at the root and the accepted path of each row
             self.proposer.observe_target(seqs, TargetFeatures.select(out, self.features, n_kept, kept))
-        self.last_report = StepReport(width, t1 - t0, t2 - t1, [len(t) for t in trees],
-                                      [len(r.accepted) for r in results], join_time,
-                                      [int(t.depths.max()) + 1 if len(t) else 0 for t in trees])
+        self.last_report = report
         return deltas

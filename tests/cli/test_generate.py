@@ -71,7 +71,7 @@ def test_sampling_flags(tiny_models, capsys):
     (["--device", "cuda:7"], "argument --device: cuda:7:"),
 ])
 def test_bad_flags_exit_2_with_one_line_before_anything_loads(tiny_models, capsys, monkeypatch, extra, message):
-    from specdecode.engine import llm
+    from specdecode.engine import parts as llm
 
     def refuse(*args, **kwargs):
         raise AssertionError("the model was loaded before the flags were checked")
@@ -83,7 +83,7 @@ def test_bad_flags_exit_2_with_one_line_before_anything_loads(tiny_models, capsy
 
 
 def test_an_empty_prompt_is_refused_before_anything_loads(tiny_models, capsys, monkeypatch):
-    from specdecode.engine import llm
+    from specdecode.engine import parts as llm
 
     monkeypatch.setattr(llm, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
     code, out, err = run(capsys, "", "--model", tiny_models["target"])

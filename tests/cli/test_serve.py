@@ -124,7 +124,7 @@ def test_adaptive_flag_parses(flag):
     (["--memory-budget", "0.000001"], "not even one sequence"),
 ])
 def test_serve_refuses_bad_sizes_before_the_model_loads(tiny_models, capsys, monkeypatch, flags, message):
-    from specdecode.engine import llm
+    from specdecode.engine import parts as llm
 
     monkeypatch.setattr(llm, "load_model", lambda *a, **k: pytest.fail("loaded the model before refusing"))
     assert main(["serve", "--model", str(tiny_models["target"]), "--dtype", "float32", *flags]) == 2
