@@ -53,15 +53,12 @@ def cmd_certify(args) -> int:
     from specdecode.cli.model_flags import resolve_models, set_threads
     from specdecode.engine.llm import LLM
     from specdecode.errors import ConfigError
-    from specdecode.catalog.registry import shipped_speculator
 
     set_threads(args.threads)
     config = CertifyConfig(samples=args.samples, max_tokens=args.max_tokens, temperature=args.temperature,
                            top_p=args.top_p, top_k=args.top_k, seed=args.seed, alpha=args.alpha, prompts=args.prompts)
     if args.no_speculation:
         raise ConfigError("certify tests speculation: drop --no-speculation")
-    if args.speculative_method == "draft_model" and args.speculative_model is None:  # the shipped draft, if any
-        args.speculative_model = shipped_speculator(args.model, "draft_model")
     model_dir, spec, name = resolve_models(args)
     if spec is None:
         raise ConfigError("no speculative method for this model: give --speculative-method or --speculative-model")
