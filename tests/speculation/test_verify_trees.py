@@ -9,20 +9,9 @@ import torch
 from specdecode.speculation.tree import DraftTree
 from specdecode.speculation.verify import verify_sampling, verify_trees
 
+from .heads_fixtures import TableUniforms
+
 V = 12
-
-
-class TableUniforms:
-    """StepUniforms' interface over fixed tables: accept(depth, child) = u_accept[depth, child]."""
-
-    def __init__(self, u_accept, u_draw):
-        self.u_accept, self.u_draw = u_accept, u_draw
-
-    def accept(self, depth, child):
-        return float(self.u_accept[depth, child])
-
-    def draw(self, depth):
-        return float(self.u_draw[depth])
 
 
 def random_tree(rng: random.Random, gen: torch.Generator, n: int, sampled: bool, p_rows):
