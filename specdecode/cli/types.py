@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 from pathlib import Path
+
+from specdecode.speculation.config import MAX_SPECULATIVE_TOKENS
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -73,15 +74,6 @@ def float_range(lo: float | None = None, hi: float | None = None, lo_open: bool 
     return parse
 
 
-def existing_dir(text: str) -> Path:
-    """An argparse type: a directory that exists."""
-    path = Path(text).expanduser()
-    if not path.is_dir():
-        what = "is a file, not a directory" if path.exists() else "does not exist"
-        raise argparse.ArgumentTypeError(f"{text} {what}")
-    return path
-
-
 def existing_path(text: str) -> Path:
     """An argparse type: a file or directory that exists."""
     path = Path(text).expanduser()
@@ -90,15 +82,10 @@ def existing_path(text: str) -> Path:
     return path
 
 
-def warn(message: str) -> None:
-    print(f"specdecode: {message}", file=sys.stderr, flush=True)
-
-
 POSITIVE = int_range(1)
-NON_NEGATIVE = int_range(0)
 PORT = int_range(0, 65535)
-SPECULATIVE_TOKENS = int_range(1, 64)
-"""--num-speculative-tokens: K draft levels per step (more than 64 never pays and would make start-up time huge)."""
+SPECULATIVE_TOKENS = int_range(1, MAX_SPECULATIVE_TOKENS)
+"""--num-speculative-tokens: K draft levels per step."""
 THREADS = int_range(1, 1024)
 MAX_NUM_SEQS = int_range(1, 4096)
 TOKENS = int_range(1, 1_000_000)

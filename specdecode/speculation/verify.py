@@ -188,30 +188,33 @@ def verify_step(trees: list[DraftTree], logits: torch.Tensor, params: list[Sampl
             parts.extend(_chains([trees[b] for b in chains], p[[row_of[b] for b in chains]],
                                  [keys[b] for b in chains], [starts[b] for b in chains]))
         if branching:
-            parts.extend(_trees([trees[b] for b in branching], p[[row_of[b] for b in branching]],
-                                [keys[b] for b in branching], [starts[b] for b in branching]))
-    host = torch.cat(parts).tolist() if parts else []  # the step's one host synchronisation
+            tree_parts = _trees([trees[b] for b in branching], p[[row_of[b] for b in branching]],
+                                [keys[b] for b in branching], [starts[b] for b in branching])
+            levels = tree_parts[0].numel() // len(branching)  # D of verify_trees: path slots per row
+            parts.extend(tree_parts)
+    host = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist() if parts else []  # the one sync
+    taken = 0
+
+    def take(n: int) -> list[int]:
+        """The next n numbers of the transfer, in the order the parts were added."""
+        nonlocal taken
+        taken += n
+        return host[taken - n:taken]
+
     results: list[VerifyResult | None] = [None] * B
-    at = 0
-    if read:
-        width = logits.shape[1]
-        for b in read:
-            row, at = host[at:at + width], at + width
-            tree = trees[b]
-            if tree.lookahead is not None:
-                tree.lookahead.outputs = row[1 + len(tree):1 + tree.pass_size]
-            if params[b].greedy:
-                results[b] = verify_greedy(tree, row)
+    for b in read:
+        row, tree = take(logits.shape[1]), trees[b]
+        if tree.lookahead is not None:
+            tree.lookahead.outputs = row[1 + len(tree):1 + tree.pass_size]
+        if params[b].greedy:
+            results[b] = verify_greedy(tree, row)
     if chains:
-        n_matches, next_tokens, at = host[at:at + len(chains)], host[at + len(chains):at + 2 * len(chains)], \
-            at + 2 * len(chains)
-        for b, n, x in zip(chains, n_matches, next_tokens):
-            results[b] = VerifyResult(list(range(int(n))), int(x))
+        for b, n, x in zip(chains, take(len(chains)), take(len(chains))):
+            results[b] = VerifyResult(list(range(n)), x)
     if branching:
-        D = (len(host) - at - len(branching)) // len(branching)
-        for i, b in enumerate(branching):
-            path = host[at + i * D:at + (i + 1) * D]
-            results[b] = VerifyResult([int(n) for n in path if n >= 0], int(host[at + len(branching) * D + i]))
+        paths = take(len(branching) * levels)
+        for i, (b, x) in enumerate(zip(branching, take(len(branching)))):
+            results[b] = VerifyResult([n for n in paths[i * levels:(i + 1) * levels] if n >= 0], x)
     return results
 
 
