@@ -1,7 +1,7 @@
 """Where the time of one plain decode step goes: torch.profiler over cached one-token forwards, by operator,
 plus the step timed against its linear layers alone (interleaved, fastest of several rounds).
 
-    python benchmarks/profile_step.py --model DIR [--dtype bfloat16] [--context 100] [--clock cpu]
+    python benchmarks/profile_step.py --model DIR [--dtype bfloat16] [--quantization gguf] [--context 100] [--clock cpu]
 """
 from __future__ import annotations
 
@@ -15,12 +15,14 @@ from torch.profiler import ProfilerActivity, profile
 
 from specdecode.model.linear import PackedLinear
 from specdecode.model.loading import load_model
+from specdecode.model.quant import QuantLinear
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--quantization", default=None, help="gguf, q8_0, q4_0, q4_1 or int8 (default: float)")
     parser.add_argument("--context", type=int, default=100, help="committed tokens before the step (default 100)")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall")
@@ -28,9 +30,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     now = time.thread_time if args.clock == "cpu" else time.perf_counter
-    model = load_model(args.model, dtype=args.dtype, device="cpu")
+    model = load_model(args.model, dtype=args.dtype, device="cpu", quantization=args.quantization)
     cache = model.make_cache(1, args.context + 8)
-    linears = [m for m in model.modules() if isinstance(m, PackedLinear | torch.nn.Linear)]
+    linears = [m for m in model.modules() if isinstance(m, PackedLinear | torch.nn.Linear | QuantLinear)]
     inputs = {m.in_features: torch.randn(1, m.in_features, dtype=model.dtype) for m in linears}
     token = torch.tensor([[5]])
     lines = []
@@ -43,7 +45,8 @@ def main() -> None:
             for _ in range(args.steps):
                 model(token, cache=cache)
         top = Counter(e.name for e in prof.events() if e.cpu_parent is None)
-        lines += [f"One-token forward of `{args.model.name}` in {args.dtype} after {args.context} tokens, 1 thread: "
+        weights = f", weights {args.quantization}" if args.quantization else ""
+        lines += [f"One-token forward of `{args.model.name}` in {args.dtype}{weights} after {args.context} tokens, 1 thread: "
                   f"{sum(top.values()) // args.steps} operators per forward "
                   f"({', '.join(f'{n} {c // args.steps}' for n, c in top.most_common(8))}).", "",
                   "```", prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15), "```", ""]

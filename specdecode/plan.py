@@ -126,15 +126,36 @@ def _layer_other_params(c: ModelConfig) -> int:
 
 
 def model_memory(c: ModelConfig, itemsize: int, kv_itemsize: int, packed: bool, tp: int = 1,
-                 extra_positions: int = 0) -> Memory:
-    """A decoder's weights and KV cache per position on one of tp ranks."""
+                 extra_positions: int = 0, quantized: float | None = None) -> Memory:
+    """A decoder's weights and KV cache per position on one of tp ranks. quantized: bytes per weight of the
+    matrices where they stay block-quantized (model/quant.py; no packed copies then)."""
     linear = c.num_hidden_layers * _layer_linear_params(c, tp)
     embed = c.vocab_size * c.hidden_size
-    params = linear + c.num_hidden_layers * _layer_other_params(c) + embed * (1 if c.tie_word_embeddings else 2)
-    params += c.hidden_size  # final norm
-    copies = (linear + embed) if packed else 0  # every linear layer, the LM head too (tied or not)
+    matrices = linear + embed * (1 if c.tie_word_embeddings else 2)
+    other = c.num_hidden_layers * _layer_other_params(c) + c.hidden_size  # norms, biases; the final norm
     kv = 2 * c.num_hidden_layers * (c.num_key_value_heads // tp) * c.head_dim * kv_itemsize
-    return Memory((params + copies) * itemsize, kv, extra_positions)
+    if quantized is not None:
+        return Memory(int(matrices * quantized) + other * itemsize, kv, extra_positions)
+    copies = (linear + embed) if packed else 0  # every linear layer, the LM head too (tied or not)
+    return Memory((matrices + other + copies) * itemsize, kv, extra_positions)
+
+
+def quantized_bytes_per_weight(model_dir: Path, quantization: str | None) -> float | None:
+    """Bytes per weight of a kept-quantized target's matrices: a format's block size, or for 'gguf' the file's
+    own average (its size over its weights: an upper bound, the file also holds the tokenizer); None for float."""
+    from specdecode.model.gguf import find_gguf
+    from specdecode.model.quant import BLOCK_BYTES
+
+    if quantization in BLOCK_BYTES:
+        return BLOCK_BYTES[quantization] / 32
+    if quantization != "gguf":
+        return None
+    from specdecode.model.loading import read_config
+
+    c = read_config(model_dir)
+    weights = (c.num_hidden_layers * _layer_linear_params(c, 1)
+               + c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2))
+    return find_gguf(model_dir).stat().st_size / weights
 
 
 def _safetensors_shapes(path: Path) -> dict[str, list[int]]:
@@ -173,8 +194,8 @@ def plan_memory(model_dir: str | Path, budget: int, max_model_len: int | None, m
 
     if not 0.0 <= headroom < 1.0:
         raise ConfigError(f"headroom must be in [0, 1), got {headroom}")
-    if quantization is not None:
-        raise ConfigError("the capacity plan counts float weights only; plan without --quantization")
+    if quantization == "int8":
+        raise ConfigError("the capacity plan does not count int8 weights; plan without --quantization int8")
     config = read_config(model_dir)
     check_divisible(config, tensor_parallel_size)
     device = resolve_device(device)
@@ -184,7 +205,8 @@ def plan_memory(model_dir: str | Path, budget: int, max_model_len: int | None, m
     packed = resolve_backend("auto", device, dtype) == "onednn"
     max_model_len = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
     tree = speculative.tree_size if speculative is not None else 0
-    target = model_memory(config, itemsize, kv_itemsize, packed, tensor_parallel_size, tree + 2)
+    target = model_memory(config, itemsize, kv_itemsize, packed, tensor_parallel_size, tree + 2,
+                          quantized_bytes_per_weight(Path(model_dir), quantization))
     draft = Memory(0)
     counted = speculative.method_info.draft_memory if speculative is not None else None
     if counted is not None:

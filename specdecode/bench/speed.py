@@ -78,6 +78,11 @@ class SpeedConfig:
     """Also time prompt-lookup speculation against plain decoding in the default dtype's fast configurations."""
     device: str = "cpu"
     """Device to run on."""
+    llama_cpp: Path | None = None
+    """A llama.cpp bin directory (benchmarks/build_llama_cpp.sh): its plain and lookup decoding beside ours, by
+    prompt (the model must then be a GGUF file)."""
+    peer_prompts: int = 2
+    """Held-out chat prompts per category (bench/categories.py) of the llama.cpp comparison."""
     clock: str = "wall"
     """"wall" (time.perf_counter) or "cpu" (time.thread_time: the CPU time of the one thread that runs
     everything, torch threads being 1; on a machine shared with other jobs it leaves out the time the process
@@ -94,6 +99,12 @@ class SpeedConfig:
             raise ConfigError(f"clock must be one of {', '.join(CLOCKS)}, got {self.clock!r}")
         if self.clock == "cpu" and torch.get_num_threads() != 1:
             raise ConfigError("the cpu clock times one thread: set torch threads to 1 (--threads 1)")
+        if self.llama_cpp is not None:
+            from specdecode.bench.llama_cpp import LlamaCpp
+
+            LlamaCpp(self.llama_cpp)  # fails here, in one line, on a folder without its binaries
+            if Path(self.model).suffix != ".gguf":
+                raise ConfigError(f"--llama-cpp runs the same GGUF file as ours; {self.model} is not one")
 
     @property
     def now(self):
@@ -224,6 +235,82 @@ def time_speculation(config: SpeedConfig, plain: dict[str, LLM], now) -> dict:
     return {"prompt_tokens": len(ids), "rows": out}
 
 
+def time_vs_llama_cpp(config: SpeedConfig, log=print) -> dict:
+    """Ours (plain, and our default speculation: prompt lookup, adaptive) in the default dtype and fast backend
+    against llama.cpp plain on the same GGUF (the reference row), plain on a Q8_0 copy of it and prompt lookup,
+    on held-out chat prompts across categories: prompt by prompt, every engine once per round (the fastest of the
+    rounds counts), greedy, EOS ignored; each prompt's ids checked against llama-tokenize's."""
+    from specdecode.bench.categories import heldout_workloads
+    from specdecode.bench.llama_cpp import LlamaCpp, PeerRun, compare
+    from specdecode.catalog.registry import cache_dir, default_speculative_config
+
+    peer = LlamaCpp(config.llama_cpp)
+    gguf = Path(config.model)
+    spec_config = default_speculative_config(None) or {"method": "ngram", "adaptive": True}
+    draft = spec_config.get("num_speculative_tokens", 8)  # ngram's default K: llama-lookup's draft limit alike
+    log(f"vs llama.cpp: loading ours (default dtype and backend, plain and {spec_method(spec_config)})")
+    ours = {"plain": build(config, "auto", "auto"),
+            spec_method(spec_config): build(config, "auto", "auto", spec_config)}
+    tokenizer = ours["plain"].tokenizer
+    dtype = str(ours["plain"].target.dtype).removeprefix("torch.")
+    kept = getattr(ours["plain"], "quantization", None)  # an engine with quantized kernels says which ones it runs
+    our_format = (f"{peer.weights_format(gguf) if kept == 'gguf' else kept} kernels, {dtype} activations" if kept
+                  else label(dtype, linear_backend(ours["plain"].target)))
+    q8 = peer.requantize(gguf, "Q8_0", cache_dir() / "llama_cpp")
+    if q8 is None:
+        log("vs llama.cpp: no llama-quantize in the bin directory, so no Q8_0 row")
+    params = SamplingParams(temperature=0, max_tokens=config.tokens, ignore_eos=True)
+
+    def mine(mode, llm):
+        def run(prompt, ids, text):
+            trace = trace_generate(llm, ids, params)
+            n, stats = len(trace.token_ids), trace.stats
+            return PeerRun("specdecode", mode, our_format, prompt, len(ids), n, (n - 1) / (trace.seconds - trace.ttft),
+                           len(ids) / trace.ttft, stats.draft_tokens, stats.accepted_tokens,
+                           text=tokenizer.decode(trace.token_ids))
+        return run
+
+    def llama(mode, model):
+        if mode == "lookup":
+            return lambda prompt, ids, text: peer.lookup(model, text, config.tokens, len(ids), draft, prompt)
+        return lambda prompt, ids, text: peer.complete(model, text, config.tokens, len(ids), prompt)
+
+    engines = {"llama.cpp plain": llama("plain", gguf)}
+    if q8 is not None:
+        engines["llama.cpp plain Q8_0"] = llama("plain", q8)
+    engines["llama.cpp lookup"] = llama("lookup", gguf)
+    engines.update({f"specdecode {mode}": mine(mode, llm) for mode, llm in ours.items()})
+
+    limit = 768 - config.tokens  # bench's prompt limit, less the answer
+    workloads = heldout_workloads(config.peer_prompts, fits=lambda m: len(tokenizer.encode_chat(m)) <= limit)
+    prompts = [(f"{category}:{i}", p.messages) for category, ps in workloads.items() for i, p in enumerate(ps)]
+    for llm in ours.values():
+        trace_generate(llm, tokenizer.encode_chat(prompts[0][1]), dataclasses.replace(params, max_tokens=8))
+    runs, same_ids = [], {}
+    for n, (prompt, messages) in enumerate(prompts):
+        text = tokenizer.apply_chat_template(messages)
+        ids = tokenizer.encode(text, add_special_tokens=False)  # = encode_chat(messages)
+        same_ids[prompt] = peer.tokenize(gguf, text) == ids
+        log(f"vs llama.cpp: prompt {n + 1}/{len(prompts)} ({prompt}, {len(ids)} tokens, "
+            f"{'same' if same_ids[prompt] else 'DIFFERENT'} ids in llama.cpp)")
+        best = {}
+        for _ in range(config.rounds):
+            for name, run in engines.items():
+                r = run(prompt, ids, text)
+                if name not in best or r.decode_tokens_per_s > best[name].decode_tokens_per_s:
+                    best[name] = r
+        runs += best.values()
+    reference = next(r.name for r in runs if r.engine == "llama.cpp" and r.mode == "plain")
+    return {"bin_dir": str(config.llama_cpp), "reference": reference, "draft": draft, "spec_config": spec_config,
+            "same_prompt_ids": same_ids, "rows": compare(runs, reference),
+            "runs": [dataclasses.asdict(r) for r in runs]}
+
+
+def spec_method(spec_config: dict) -> str:
+    """A speculative configuration in a few words, e.g. "ngram adaptive"."""
+    return f"{spec_config['method']} {'adaptive' if spec_config.get('adaptive', True) else 'fixed'}"
+
+
 def run_speed(config: SpeedConfig, log=print) -> dict:
     """Run every measurement; returns what speed.json holds."""
     start = time.perf_counter()
@@ -298,12 +385,19 @@ def run_speed(config: SpeedConfig, log=print) -> dict:
         gc.collect()
         log(f"plain vs prompt lookup: {', '.join(plain)}")
         speculation = time_speculation(config, plain, config.now)
+    vs_llama_cpp = {}
+    if config.llama_cpp is not None:
+        engines = llms = first = plain = None  # the engines above are done with: memory
+        gc.collect()
+        vs_llama_cpp = time_vs_llama_cpp(config, log)
     if hasattr(os, "getloadavg"):
         info["load_average_end"] = os.getloadavg()[0]
     info["wall_seconds"] = time.perf_counter() - start
-    return {"machine": info, "settings": {**dataclasses.asdict(config), "model": str(config.model)},
+    return {"machine": info, "settings": {**dataclasses.asdict(config), "model": str(config.model),
+                                             "llama_cpp": config.llama_cpp and str(config.llama_cpp)},
             "prompt_tokens": len(ids), "bandwidth_gb_s": bandwidth / 1e9, "decode": decode, "verify": verify,
-            "batch": batch, "speculation": speculation, "goals": goals(decode, verify, batch)}
+            "batch": batch, "speculation": speculation, "vs_llama_cpp": vs_llama_cpp,
+            "goals": goals(decode, verify, batch)}
 
 
 def goals(decode: dict, verify: dict, batch: dict) -> list[dict]:

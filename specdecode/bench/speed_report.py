@@ -97,6 +97,39 @@ def speculation_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def llama_cpp_table(results: dict) -> str:
+    peer = results["vs_llama_cpp"]
+    same = peer["same_prompt_ids"]
+    lines = [f"Greedy decoding of {len(same)} held-out chat prompts across categories, "
+             f"{results['settings']['tokens']} tokens each, one thread, every engine once per round, prompt by prompt "
+             f"(the fastest of {results['settings']['rounds']} rounds counts). Prompt token ids identical in "
+             f"llama.cpp (llama-tokenize of our rendered chat template): **{sum(same.values())}/{len(same)}** prompts. "
+             "Decode tokens/s = tokens after the first / seconds after the first token (llama.cpp: its eval and "
+             "sampling time; llama-lookup: its decode time); ratios are per prompt, to "
+             f"`{peer['reference']}`; llama.cpp lookup drafts at most {peer['draft']} tokens, ours is "
+             f"`{peer['spec_config']}`. *Same text*: prompts whose greedy text starts like the reference's (over "
+             "the shorter).", "",
+             f"| engine | mode | format | decode tokens/s (median) | vs {peer['reference']} (median) | range | "
+             "prompt tokens/s (median) | acceptance | same text |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in peer["rows"]:
+        acceptance = "-" if r["acceptance"] is None else f"{100 * r['acceptance']:.0f}%"
+        lines.append(f"| {r['engine']} | {r['mode']} | {r['format']} | {r['decode_tokens_per_s']:.1f} | "
+                     f"{r['ratio_median']:.2f}x | {r['ratio_min']:.2f}-{r['ratio_max']:.2f}x | "
+                     f"{r['prompt_tokens_per_s']:.0f} | {acceptance} | {r['same_text']}/{r['prompts']} |")
+    names = [r["name"] for r in peer["rows"]]
+    by_prompt: dict[str, dict] = {}
+    for run in peer["runs"]:
+        by_prompt.setdefault(run["prompt"], {})[f"{run['engine']} {run['mode']} {run['format']}"] = run
+    lines += ["", "Decode tokens/s by prompt:", "",
+              "| prompt | prompt tokens | " + " | ".join(names) + " |", "|---|---:|" + "---:|" * len(names)]
+    for prompt, row in by_prompt.items():
+        cells = [f"{row[n]['decode_tokens_per_s']:.1f}" if n in row else "-" for n in names]
+        first = next(iter(row.values()))
+        lines.append(f"| {prompt}{'' if same[prompt] else ' (ids differ)'} | {first['prompt_tokens']} | "
+                     + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def markdown(results: dict) -> str:
     s = results["settings"]
     parts = [
@@ -123,6 +156,8 @@ def markdown(results: dict) -> str:
                   "(generated tokens/s, interleaved).", batch_table(results)]
     if results.get("speculation"):
         parts += ["## Speculation in each configuration", speculation_table(results)]
+    if results.get("vs_llama_cpp"):
+        parts += [f"## vs {results['vs_llama_cpp']['reference']}", llama_cpp_table(results)]
     return "\n\n".join(parts) + "\n"
 
 

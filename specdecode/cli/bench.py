@@ -91,6 +91,10 @@ def register(sub) -> None:
                    help="instead: plain decode tokens/s per dtype and linear backend (and int8) against transformers "
                         "and the memory roofline, the cost of a pass over K = 1..16 tokens, batch-8 throughput; "
                         "writes speed.md, speed.json, speed.png (one thread unless --threads)")
+    p.add_argument("--llama-cpp", type=Path, default=None, metavar="BIN_DIR",
+                   help="with --speed: also llama.cpp (a bin directory built by benchmarks/build_llama_cpp.sh), plain "
+                        "on the same GGUF and a Q8_0 copy, and prompt lookup, against our plain and default "
+                        "speculation, prompt by prompt on held-out chat prompts (--prompts per category, default 2)")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="with --speed: wall (default) or cpu, the thread's CPU time (for a machine shared with "
                         "other jobs)")
@@ -137,6 +141,8 @@ def cmd_bench(args) -> int:
         args.no_peers = True
     if args.speed:
         return cmd_speed(args)
+    if args.llama_cpp is not None:
+        raise ConfigError("--llama-cpp is part of the speed benchmark: add --speed")
     _, draft = _checkpoints(args)  # fails early on a missing target or draft
     speculators = dict(args.speculator)
     if draft is not None:
@@ -175,7 +181,8 @@ def cmd_speed(args) -> int:
     config = SpeedConfig(model=target, tokens=args.max_tokens or (48 if args.quick else 128),
                          rounds=1 if args.quick else 3, max_verify=8 if args.quick else 16,
                          peers=not args.no_peers, device=args.device or "cpu", clock=args.clock,
-                         speculation=not args.quick)
+                         speculation=not args.quick, llama_cpp=args.llama_cpp,
+                         peer_prompts=args.prompts or (1 if args.quick else 2))
     paths = write_speed_report(run_speed(config), args.out)
     print(paths["report"].read_text())
     print("wrote " + ", ".join(str(p) for p in paths.values()))

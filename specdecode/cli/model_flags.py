@@ -73,9 +73,10 @@ def _device(text: str) -> str:
 
 
 def add_quantization_arg(p) -> None:
-    p.add_argument("--quantization", choices=("int8",), default=None,
-                   help="int8: weight-only int8 linear layers (with --dtype bfloat16, the default on CPUs with native "
-                        "bfloat16; ~1.3x faster plain decoding there, see README, Speed)")
+    p.add_argument("--quantization", choices=("auto", "none", "gguf", "q8_0", "q4_0", "q4_1", "int8"), default="auto",
+                   help="auto (default): a GGUF's matrices stay quantized as shipped on the CPU (gguf; specdecode's "
+                        "own kernels, compiled once for this machine); none: float weights; q8_0/q4_0/q4_1: quantize "
+                        "every matrix at load; int8: torch's weight-only int8 (with --dtype bfloat16)")
 
 
 def add_sampling_args(p, temperature: float = 0.0, top_p: float = 1.0, max_tokens: int = 128) -> None:

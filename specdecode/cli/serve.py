@@ -7,7 +7,7 @@ import logging
 import os
 from pathlib import Path
 
-from specdecode.cli.model_flags import add_model_args
+from specdecode.cli.model_flags import add_model_args, add_quantization_arg
 from specdecode.cli.scaleout import add_replica_args, add_scaleout_args, scaleout_kwargs
 from specdecode.cli.types import MAX_NUM_SEQS, PORT, POSITIVE, SECONDS, float_range, int_range
 from specdecode.errors import ConfigError
@@ -30,6 +30,7 @@ def register(sub) -> None:
                                    "The engine batches requests continuously and chooses how many tokens to draft "
                                    "each step from measured costs and acceptance rates.")
     add_model_args(p)
+    add_quantization_arg(p)
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send and /v1/models lists (default: the --model argument, "
                         "or smollm2-135m-instruct for the default model)")
@@ -129,7 +130,7 @@ def memory_defaults(args, device) -> int | None:
 def size_batch(args, model_dir, config) -> Sizing:
     """Set args.max_num_seqs from the capacity plan: as many as fit (at most DEFAULT_MAX_NUM_SEQS) when it was not
     given; a --max-num-seqs or --max-model-len that does not fit is refused here, before the model loads."""
-    from specdecode.model.loading import read_config, resolve_device
+    from specdecode.model.loading import read_config, resolve_device, resolve_quantization
     from specdecode.plan import memory_budget_bytes, plan_memory
     from specdecode.speculation.config import SpeculativeConfig, with_shipped_speculator
 
@@ -145,8 +146,9 @@ def size_batch(args, model_dir, config) -> Sizing:
         args.max_num_seqs = wanted
         return Sizing()
     spec = SpeculativeConfig.parse(with_shipped_speculator(config, args.model))
+    quantization = resolve_quantization(args.quantization, model_dir, device, args.tensor_parallel_size)
     plan = plan_memory(model_dir, budget, args.max_model_len, wanted, spec, args.dtype, args.device,
-                       args.tensor_parallel_size)
+                       args.tensor_parallel_size, quantization=quantization)
     largest = plan.largest_batch()
     where = (f"{budget / 2**30:.1f} GiB (--memory-budget / --gpu-memory-utilization)" if available is None
              else f"{budget / 2**30:.1f} GiB ({plan.headroom:.0%} kept free; --memory-fraction of the "
@@ -179,7 +181,12 @@ def configuration_line(llm, name: str, sizing: Sizing) -> str:
         memory = f", {sizing.planned / 2**30:.1f} GiB planned"
         if sizing.available is not None:
             memory += f" of {sizing.available / 2**30:.1f} GiB available"
+    from specdecode.model.quant import quantized_format
+
     dtype = str(llm.target.dtype).removeprefix("torch.")
+    weights = quantized_format(llm.target)
+    if weights is not None:
+        dtype = f"{weights} weights, {dtype} activations"
     return (f"{name}: {dtype} on {llm.device}, {threads} thread{'s' if threads > 1 else ''}, "
             f"{llm.max_num_seqs} sequences x {llm.max_model_len} positions, {spec}{memory}")
 
@@ -204,6 +211,7 @@ def cmd_serve(args) -> int:
         args.max_connections = (args.max_num_seqs or DEFAULT_MAX_NUM_SEQS) + args.max_waiting + 64
     limits = limits_from_args(args)
     llm_kwargs = dict(model=model_dir, dtype=args.dtype, device=args.device, speculative_config=config,
+                      quantization=args.quantization,
                       max_num_seqs=args.max_num_seqs or DEFAULT_MAX_NUM_SEQS, max_model_len=args.max_model_len,
                       **scaleout_kwargs(args))
     name = args.served_model_name or model_name

@@ -19,7 +19,7 @@ from specdecode.engine.scheduler import Scheduler
 from specdecode.engine.sequence import RequestOutput, Sequence, SpecStats
 from specdecode.engine.step import StepRunner
 from specdecode.errors import ConfigError
-from specdecode.model.loading import resolve_device
+from specdecode.model.loading import resolve_device, resolve_quantization
 from specdecode.model.tokenizer import Tokenizer
 from specdecode.catalog.registry import default_speculative_config, model_name, resolve_model
 from specdecode.sampling import SamplingParams
@@ -30,7 +30,7 @@ from specdecode.speculation.control import SpecController
 class LLM:
     def __init__(self, model: str | Path | None = None, dtype: str = "auto", device: str | None = None,
                  speculative_config: dict | SpeculativeConfig | str | None = None, max_num_seqs: int = 32,
-                 max_model_len: int | None = None, quantization: str | None = None, tensor_parallel_size: int = 1,
+                 max_model_len: int | None = None, quantization: str | None = "auto", tensor_parallel_size: int = 1,
                  draft_tensor_parallel_size: int | None = None, memory_budget: int | None = None,
                  gpu_memory_utilization: float | None = None, threads: int | None = None):
         """model: a model name (default: smollm2-135m-instruct, fetched on first use), a .gguf file, or a
@@ -40,7 +40,9 @@ class LLM:
         Speculation is adaptive unless the config says {"adaptive": False} (then it always drafts K): each step
         drafts what pays, nothing for a request whose drafts do not; that times the target at start-up for every
         batch size up to max_num_seqs (seconds each).
-        quantization: None, or "int8" (weight-only int8 linear layers of the target; needs bfloat16 on CPU).
+        quantization: "auto" (default): a GGUF's matrices stay quantized as shipped on the CPU ("gguf", specdecode's
+        own kernels, model/quant.py), float weights elsewhere; "none"/None: float weights; "q8_0", "q4_0", "q4_1":
+        every matrix quantized to that format at load; "int8": torch's weight-only int8 (bfloat16 on CPU).
         tensor_parallel_size: ranks the target's heads and MLP are sharded over (processes on this machine: gloo
         on CPU, NCCL with one CUDA device each); this process is rank 0 and runs the proposer.
         draft_tensor_parallel_size: 1 (default): the draft model or head runs whole on rank 0.
@@ -63,6 +65,8 @@ class LLM:
         self.model_dir = resolve_model(model)
         self.device = resolve_device(device)
         self.spec_config = SpeculativeConfig.parse(with_shipped_speculator(speculative_config, model))
+        quantization = resolve_quantization(quantization, self.model_dir, self.device, tensor_parallel_size)
+        self.quantization = quantization
         self.plan, max_num_seqs = plan_batch(self.model_dir, self.spec_config, dtype, self.device, max_num_seqs,
                                              max_model_len, tensor_parallel_size, quantization, memory_budget,
                                              gpu_memory_utilization)

@@ -1,5 +1,6 @@
 """Prometheus metrics of one engine, named like vLLM's, in a registry of its own (never the global default one,
-so two engines in a process, or tests, do not collide). Counters only count; rates are left to the dashboard.
+so two engines in a process, or tests, do not collide). Counters only count; rates are left to the dashboard
+(docs/metrics.md gives the PromQL beside each name; /dashboard and docs/grafana/specdecode.json draw them).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ SPEEDUP_DECAY = 0.98
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
                     20.0, 40.0, 80.0)
 _STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
 class EngineMetrics:
@@ -33,6 +35,19 @@ class EngineMetrics:
                                         "Draft tokens accepted at each draft position (0-based).", ["position"],
                                         registry=r)
         self._pos_children = [self.accepted_per_pos.labels(position=str(i)) for i in range(max_positions)]
+        self.drafts_per_pos = Counter(PREFIX + "spec_decode_num_drafts_per_pos",
+                                      "Sequence-steps whose draft reached each position (0-based depth; a tree counts "
+                                      "once per level): the denominator of the acceptance at that position.",
+                                      ["position"], registry=r)
+        self._drafted_children = [self.drafts_per_pos.labels(position=str(i)) for i in range(max_positions)]
+        self.draft_tokens_by_method = Counter(PREFIX + "spec_decode_num_draft_tokens_by_method",
+                                              "Draft tokens proposed, by the method that proposed them.", ["method"],
+                                              registry=r)
+        self.accepted_tokens_by_method = Counter(PREFIX + "spec_decode_num_accepted_tokens_by_method",
+                                                 "Draft tokens accepted, by the method that proposed them.",
+                                                 ["method"], registry=r)
+        self.method = "unknown"
+        """The label of the by-method counters (watch() sets the engine's)."""
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens prefilled.", registry=r)
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.", registry=r)
         self.requests = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
@@ -60,8 +75,30 @@ class EngineMetrics:
                              "Recent tokens emitted x measured plain-step time / actual time (1 = plain decoding).",
                              registry=r)
         self.speedup.set(1.0)
+        self.plain_equivalent_seconds = Counter(PREFIX + "spec_decode_plain_equivalent_seconds",
+                                                "Seconds plain decoding would have taken for the tokens decode steps "
+                                                "emitted (the cost model's plain-step time).", registry=r)
+        self.actual_seconds = Counter(PREFIX + "spec_decode_actual_seconds",
+                                      "Seconds those decode steps took: realised speedup over a window = rate of "
+                                      "plain_equivalent_seconds / rate of this.", registry=r)
+        self.batch_size = Histogram(PREFIX + "decode_batch_size", "Sequences per decode step.",
+                                    buckets=_BATCH_BUCKETS, registry=r)
+        self.kv_usage = Gauge(PREFIX + "kv_cache_usage_perc",
+                              "Share (0-1) of the KV cache's positions (slots x context) that hold tokens.",
+                              registry=r)
         self._plain_equivalent = 0.0  # decayed seconds plain decoding would have taken for the same tokens
         self._actual = 0.0  # decayed seconds actually taken
+
+    def watch(self, scheduler, max_model_len: int, method: str | None) -> None:
+        """Read the engine's state at each scrape from now on: the KV cache's use from the scheduler's running
+        sequences (its slots of max_model_len positions); method names the by-method counters (None = plain)."""
+        capacity = scheduler.num_slots * max_model_len
+
+        def kv_usage() -> float:  # the scrape's thread: copy the list the engine thread changes
+            return sum(len(seq.token_ids) for seq in list(scheduler.running)) / capacity
+
+        self.kv_usage.set_function(kv_usage)
+        self.method = method or "none"
 
     def record_step(self, out: SchedulerOutput, emitted: list[int], plain_step_time: float | None) -> None:
         """A decode step: `emitted[i]` tokens went to out.stepped[i]; plain_step_time = the cost model's estimate of
@@ -69,14 +106,18 @@ class EngineMetrics:
         report = out.report
         self.draft_time.observe(report.draft_time)
         self.verify_time.observe(report.verify_time)
+        self.batch_size.observe(len(out.stepped))
         drafts = draft_tokens = accepted_tokens = 0
-        for drafted, accepted in zip(report.draft_lens, report.accepted_lens):
+        depths = report.draft_depths or report.draft_lens  # (a chain's depth is its length)
+        for drafted, accepted, depth in zip(report.draft_lens, report.accepted_lens, depths):
             if not drafted:
                 continue
             drafts += 1
             draft_tokens += drafted
             accepted_tokens += accepted
             self.accepted_per_step.observe(accepted)
+            for pos in range(min(depth, len(self._drafted_children))):
+                self._drafted_children[pos].inc()
             for pos in range(min(accepted, len(self._pos_children))):
                 self._pos_children[pos].inc()
         if drafts:
@@ -84,11 +125,15 @@ class EngineMetrics:
             self.num_draft_tokens.inc(draft_tokens)
             self.num_accepted_tokens.inc(accepted_tokens)
             self.num_emitted_tokens.inc(accepted_tokens + drafts)
+            self.draft_tokens_by_method.labels(method=self.method).inc(draft_tokens)
+            self.accepted_tokens_by_method.labels(method=self.method).inc(accepted_tokens)
         total = sum(emitted)
         self.generation_tokens.inc(total)
         if plain_step_time is not None and out.stepped:
             # Plain decoding emits one token per sequence per step.
             plain = total / len(out.stepped) * plain_step_time
+            self.plain_equivalent_seconds.inc(plain)
+            self.actual_seconds.inc(out.wall_time)
             self._plain_equivalent = SPEEDUP_DECAY * self._plain_equivalent + plain
             self._actual = SPEEDUP_DECAY * self._actual + out.wall_time
             self.speedup.set(self._plain_equivalent / self._actual)
@@ -96,3 +141,15 @@ class EngineMetrics:
     def render(self) -> bytes:
         """The Prometheus text exposition of this registry."""
         return generate_latest(self.registry)
+
+    def samples(self) -> dict[str, float]:
+        """The values render() writes, but histogram buckets and creation times, keyed as it writes them:
+        'name' or 'name{label="value"}'."""
+        values = {}
+        for family in self.registry.collect():
+            for sample in family.samples:
+                if sample.name.endswith(("_bucket", "_created")):
+                    continue
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+                values[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
+        return values

@@ -60,6 +60,9 @@ class CacheContext:
         first = slot_list[0]
         contiguous = slot_list == list(range(first, first + batch))
         lengths = cache.lengths[slots]  # [B], host
+        self.lengths = lengths  # [B] committed lengths (host), for the fused layers (kernels/layer.cpp)
+        self.slot_ids = slots  # [B] (host)
+        self.pending, self.new_tokens, self.tree_mask = pending, new_tokens, tree_mask
         length_list = lengths.tolist()
         fresh = pending + new_tokens  # positions after the committed prefix this forward can see
         self.context_len = max(length_list) + fresh

@@ -314,15 +314,28 @@ def unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
             .transpose(1, 2).reshape(weight.shape))
 
 
-def gguf_state_dict(ckpt: GGUFCheckpoint, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def gguf_state_dict(ckpt: GGUFCheckpoint, config: ModelConfig, dtype: torch.dtype,
+                    keep: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
     """Every tensor of the file under its HF name, dequantised to `dtype`; unknown tensors are reported by the
-    loader's unexpected-weight check under their GGUF name."""
+    loader's unexpected-weight check under their GGUF name.
+
+    keep: GGUF tensor types (e.g. {"Q4_1": "q4_1"}) whose 2-d tensors are returned as shipped instead, as
+    (format, uint8 [rows, bytes]) pairs - a copy of the file's bytes, rows in PyTorch's order (q/k unpermuted)."""
     state = {}
     permuted = ckpt.architecture in PERMUTED_QK_ARCHITECTURES
     for tensor in ckpt.reader.tensors:
         if tensor.name in DERIVED_TENSORS:
             continue
         name = hf_name(tensor.name) or tensor.name
+        kind = tensor.tensor_type.name
+        if keep and kind in keep and len(tensor.shape) == 2:
+            rows = torch.from_numpy(np.array(tensor.data, dtype=np.uint8, copy=True))  # [rows, bytes]
+            if permuted and name.endswith("q_proj.weight"):
+                rows = unpermute_rows(rows, config.num_attention_heads).contiguous()
+            elif permuted and name.endswith("k_proj.weight"):
+                rows = unpermute_rows(rows, config.num_key_value_heads).contiguous()
+            state[name] = (keep[kind], rows)
+            continue
         values = dequantize(tensor, ckpt.path)
         if not values.flags.writeable:  # F32 comes back as a view of the read-only memory map
             values = values.copy()

@@ -63,11 +63,15 @@ def cache_locations(gguf_path: Path, dtype: str) -> list[Path]:
     return [folder / (gguf_path.stem + SUFFIX.format(dtype=dtype)) for folder in cache_folders(gguf_path)]
 
 
-def read_gguf(gguf_path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def read_gguf(gguf_path: Path, dtype: torch.dtype,
+              keep: dict[str, str] | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """The config and the weights (HF names, in `dtype`) of a GGUF: from its converted file when one is valid,
-    else dequantised from the GGUF now and written for the next start."""
+    else dequantised from the GGUF now and written for the next start.
+
+    keep: GGUF tensor types kept as shipped (see gguf_state_dict): those weights come as (format, uint8 rows)
+    pairs, and the converted file ("{dtype}-quantized") holds their bytes."""
     gguf_path = _absolute(gguf_path)
-    dtype_name = str(dtype).removeprefix("torch.")
+    dtype_name = str(dtype).removeprefix("torch.") + ("-quantized" if keep else "")
     problems = []
     for path in cache_locations(gguf_path, dtype_name):
         if not path.is_file():
@@ -81,10 +85,16 @@ def read_gguf(gguf_path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[st
         if metadata["gguf.mtime_ns"] != str(stat.st_mtime_ns):  # the same bytes, copied or touched: note the
             metadata["gguf.mtime_ns"] = str(stat.st_mtime_ns)  # new time, so the next start need not re-hash
             _write([path], state, _sealed(metadata), stat.st_mode)
-        return _config(metadata), state
+        return _config(metadata), _with_formats(state, metadata)
     why = f"again: {problems[0]}" if problems else "once; later starts read the converted file"
     print(f"specdecode: converting {gguf_path.name} to {dtype_name} ({why}) ...", file=sys.stderr, flush=True)
-    return _convert(gguf_path, dtype, dtype_name)
+    return _convert(gguf_path, dtype, dtype_name, keep)
+
+
+def _with_formats(state: dict[str, torch.Tensor], metadata: dict[str, str]) -> dict:
+    """The kept-quantized tensors of a converted file as (format, rows) pairs again."""
+    formats = json.loads(metadata.get("quantized", "{}"))
+    return {name: (formats[name], tensor) if name in formats else tensor for name, tensor in state.items()}
 
 
 def gguf_model_config(gguf_path: Path) -> ModelConfig:
@@ -105,12 +115,16 @@ def gguf_tokenizer_spec(gguf_path: Path) -> GGUFTokenizerSpec:
 # -- conversion -------------------------------------------------------------------------------------------------
 
 
-def _convert(gguf_path: Path, dtype: torch.dtype, dtype_name: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def _convert(gguf_path: Path, dtype: torch.dtype, dtype_name: str,
+             keep: dict[str, str] | None) -> tuple[ModelConfig, dict]:
     stat = gguf_path.stat()  # before reading: a GGUF replaced meanwhile then reads as changed at the next start
     ckpt = open_gguf(gguf_path)
     config = gguf_config(ckpt)
-    state = {name: tensor.contiguous() for name, tensor in gguf_state_dict(ckpt, config, dtype).items()}
+    loaded = gguf_state_dict(ckpt, config, dtype, keep=keep)
+    formats = {name: value[0] for name, value in loaded.items() if isinstance(value, tuple)}
+    state = {name: (value[1] if isinstance(value, tuple) else value).contiguous() for name, value in loaded.items()}
     metadata = {"format": "pt", "specdecode.cache": CACHE_VERSION, "dtype": dtype_name,
+                "quantized": json.dumps(formats, sort_keys=True),
                 "gguf.size": str(stat.st_size), "gguf.mtime_ns": str(stat.st_mtime_ns),
                 "gguf.sha256": sha256_file(gguf_path), "config": json.dumps(dataclasses.asdict(config))}
     try:
@@ -122,7 +136,7 @@ def _convert(gguf_path: Path, dtype: torch.dtype, dtype_name: str) -> tuple[Mode
         metadata.update({"tokenizer.json": spec.backend.to_str(), "tokenizer.spec": json.dumps(fields)})
     metadata["crc32.tensors"] = _tensors_crc(state)
     _write(cache_locations(gguf_path, dtype_name), state, _sealed(metadata), stat.st_mode)
-    return config, state
+    return config, loaded
 
 
 def _write(paths: list[Path], state: dict[str, torch.Tensor], metadata: dict[str, str], mode: int) -> None:

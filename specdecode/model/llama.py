@@ -159,17 +159,48 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.lm_head.weight.device
+        return self.model.norm.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        """The activations' dtype (the weights' too, unless they are block-quantized, see quant.py)."""
+        return self.model.norm.weight.dtype
 
     @property
     def kv_dtype(self) -> torch.dtype:
         """The KV cache's dtype: float32 on CPU, where attention's small matrix products over the cache run faster
         in float32 than in reduced precision (and are exact to more bits); the model's dtype elsewhere."""
         return torch.float32 if self.device.type == "cpu" else self.dtype
+
+    def fused_layers(self, cache: KVCache):
+        """(per-layer kernel arguments, heads, kv heads) for cached forwards through kernels/layer.cpp - every
+        layer block-quantized, float32 on CPU with a float32 cache, no q/k norm - or None: the layers then run as
+        modules. The arguments are gathered once (the weights of an inference model do not change)."""
+        if cache.k[0].dtype != torch.float32 or not cache.k[0].is_contiguous():
+            return None
+        prepared = self.__dict__.get("_fused_layers", False)
+        if prepared is not False:
+            return prepared
+        from specdecode.model.quant import QuantLinear, kernels
+
+        layers, prepared = self.model.layers, None
+        module = kernels() if self.device.type == "cpu" and self.dtype == torch.float32 else None
+        if module is not None and all(
+                isinstance(m, QuantLinear) for layer in layers
+                for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                          layer.mlp.down_proj)) and not any(layer.self_attn.q_norm for layer in layers):
+            self.kernel_step = module.layer_step
+            args = []
+            for layer in layers:
+                attn, mlp = layer.self_attn, layer.mlp
+                args.append((layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
+                             layer.input_layernorm.eps, attn.qkv_proj.qweight, attn.qkv_proj.format_id,
+                             attn.qkv_proj.bias, attn.o_proj.qweight, attn.o_proj.format_id,
+                             mlp.gate_up_proj.qweight, mlp.gate_up_proj.format_id, mlp.down_proj.qweight,
+                             mlp.down_proj.format_id))
+            prepared = (args, layers[0].self_attn.num_heads, layers[0].self_attn.num_kv_heads)
+        self.__dict__["_fused_layers"] = prepared
+        return prepared
 
     def make_cache(self, slots: int, max_len: int) -> KVCache:
         c = self.config
@@ -211,10 +242,22 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         x = x.reshape(B * T, -1)  # [B * T, D]
         layer_hidden = {}
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, ctx)
-            if i in hidden_layers:
-                layer_hidden[i] = x.view(B, T, -1)
+        fused = self.fused_layers(cache) if ctx is not None else None
+        if fused is not None:  # one kernel call a layer, x updated in place (kernels/layer.cpp)
+            x = x.float().clone() if inputs_embeds is not None or x.dtype != torch.float32 else x.contiguous()
+            cos, sin = cos.reshape(B * T, -1).float().contiguous(), sin.reshape(B * T, -1).float().contiguous()
+            visible = None if ctx.tree_mask is None else ctx.tree_mask.cpu()
+            args, heads, kv_heads = fused
+            for i, (layer_args, k, v) in enumerate(zip(args, cache.k, cache.v)):
+                self.kernel_step(x, *layer_args, cos, sin, k, v, ctx.slot_ids, ctx.lengths, ctx.pending, visible,
+                                 heads, kv_heads, T)
+                if i in hidden_layers:
+                    layer_hidden[i] = x.view(B, T, -1).clone()
+        else:
+            for i, layer in enumerate(self.model.layers):
+                x = layer(x, cos, sin, ctx)
+                if i in hidden_layers:
+                    layer_hidden[i] = x.view(B, T, -1)
         hidden = self.model.norm(x)
         # Logits in float32 whatever the weights: sampling and verification want it, and on CPU argmax over
         # bfloat16 is 5x slower than the conversion and a float32 argmax together.

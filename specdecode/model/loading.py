@@ -6,6 +6,7 @@ Only safetensors are read: pickled *.bin weights can run arbitrary code when loa
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,9 +19,14 @@ from specdecode.hardware import cpu_has_native_bf16
 from specdecode.model.config import ModelConfig
 from specdecode.model.gguf import find_gguf
 from specdecode.model.gguf_cache import gguf_model_config, read_gguf
+from specdecode.model.linear import QUANTIZATIONS as FLOAT_QUANTIZATIONS
 from specdecode.model.linear import prepare_for_inference
 from specdecode.model.llama import LlamaForCausalLM
+from specdecode.model.quant import BLOCK_BYTES, GGUF_FORMATS, QuantEmbedding, attach_quantized, quantize_linears
+from specdecode.model.quant import QUANTIZATIONS as KEPT_QUANTIZATIONS
 
+CHOICES = ("auto", "none", "gguf", "q8_0", "q4_0", "q4_1", "int8")
+"""What `quantization=` / --quantization take (resolve_quantization, load_model)."""
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -104,18 +110,72 @@ def read_config(path: str | Path) -> ModelConfig:
     return ModelConfig.from_file(path / "config.json")
 
 
+def read_quantized_gguf(gguf_path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict, str]:
+    """read_checkpoint for a GGUF whose matrices stay as shipped: Q8_0/Q4_0/Q4_1 ones as (format, bytes) pairs
+    (see gguf_state_dict), the rest dequantised to dtype (through the converted copy, gguf_cache.py)."""
+    config, state = read_gguf(gguf_path, dtype, keep=GGUF_FORMATS)
+    return config, state, f"the metadata of {gguf_path.name}"
+
+
+def _shape(value) -> tuple[int, ...]:
+    if isinstance(value, tuple):  # (format, uint8 rows): rows x (bytes / block bytes * 32) weights
+        fmt, rows = value
+        return rows.shape[0], rows.shape[1] // BLOCK_BYTES[fmt] * 32
+    return tuple(value.shape)
+
+
+def resolve_quantization(quantization: str | None, model_dir: Path, device: torch.device,
+                         tensor_parallel_size: int = 1) -> str | None:
+    """'auto' (the engine's default) -> 'gguf' for a GGUF file on the CPU in one process where the quantized
+    kernels build here (the file's matrices as shipped: 2.5-3.5x fewer bytes per step than bfloat16), else None
+    (float weights); 'none' -> None; anything else as given (checked by load_model)."""
+    if quantization == "none":
+        return None
+    if quantization != "auto":
+        return quantization
+    if device.type != "cpu" or tensor_parallel_size != 1 or find_gguf(model_dir) is None:
+        return None
+    from specdecode.model.quant import kernels
+    if kernels() is None:
+        from specdecode import kernels as compiled
+        print(f"specdecode: the quantized CPU kernels could not be built ({compiled.failure()}); decoding with "
+              "dequantised weights (slower)", file=sys.stderr, flush=True)
+        return None
+    return "gguf"
+
+
+def check_quantization(quantization: str | None, model_dir: Path, device: torch.device) -> None:
+    """Refuse a quantization this checkpoint or device cannot take, before anything loads."""
+    if quantization is not None and quantization not in (*FLOAT_QUANTIZATIONS, *KEPT_QUANTIZATIONS):
+        raise ConfigError(f"quantization {quantization!r} is not supported; use one of: {', '.join(CHOICES)}")
+    if quantization in KEPT_QUANTIZATIONS and device.type != "cpu":
+        raise ConfigError(f"quantization {quantization!r} runs on CPU kernels; on {device} load the model without "
+                          "quantization (--quantization none)")
+    if quantization == "gguf" and find_gguf(model_dir) is None:
+        raise ConfigError(f"quantization 'gguf' keeps a GGUF file's matrices as shipped, and {model_dir} is not a "
+                          "GGUF; use q8_0, q4_0 or q4_1 to quantize this checkpoint at load")
+
+
 def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
                device: str | torch.device | None = None, quantization: str | None = None,
                shard: Callable[[LlamaForCausalLM], LlamaForCausalLM] | None = None) -> LlamaForCausalLM:
     """Build the decoder of a checkpoint (HF directory with config.json + safetensors, a .gguf file, or a
-    directory holding one .gguf) and fill it with its weights (GGUF weights are dequantised to dtype, once: later
-    loads memory-map the converted copy, see gguf_cache.py).
+    directory holding one .gguf) and fill it with its weights.
+
+    quantization: None (float weights: GGUF weights are dequantised to dtype, once: later loads memory-map the
+    converted copy, see gguf_cache.py); "int8" (weight-only int8 through torch, model/linear.py); "gguf" (a GGUF's
+    Q8_0/Q4_0/Q4_1 matrices kept as shipped, model/quant.py); "q8_0", "q4_0", "q4_1" (every matrix quantized to
+    that format at load). dtype is then the activations' dtype.
     shard: applied to the loaded model before it moves to the device and gets its linear kernels (tensor
     parallelism keeps one rank's share there, see dist/tp.py)."""
     model_dir = Path(model_dir)
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
-    config, state, described_by = read_checkpoint(model_dir, dtype)
+    check_quantization(quantization, model_dir, device)
+    if quantization == "gguf":
+        config, state, described_by = read_quantized_gguf(find_gguf(model_dir), dtype)
+    else:
+        config, state, described_by = read_checkpoint(model_dir, dtype)
     with torch.device("meta"):  # no storage and no random init: load_state_dict(assign=True) puts the weights in
         model = LlamaForCausalLM(config)
     if config.tie_word_embeddings:
@@ -130,17 +190,22 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
     shapes = {name: tensor.shape for name, tensor in model.state_dict().items()}  # HF names (llama.py stacks q/k/v)
     for name, tensor in state.items():
         want = shapes[name] if name in expected else None
-        if want is not None and tuple(tensor.shape) != tuple(want):
-            raise CheckpointError(f"weight {name} in {model_dir} has shape {tuple(tensor.shape)}, {described_by} "
+        if want is not None and _shape(tensor) != tuple(want):
+            raise CheckpointError(f"weight {name} in {model_dir} has shape {_shape(tensor)}, {described_by} "
                                   f"implies {tuple(want)}; the weights and the config do not match")
+    if quantization == "gguf":
+        attach_quantized(model, state, dtype)  # the shipped matrices become modules; state keeps the rest
     state = {k: v.to(dtype) for k, v in state.items() if k in expected}
     model.load_state_dict(state, assign=True, strict=False)
-    if config.tie_word_embeddings:
+    if config.tie_word_embeddings and not isinstance(model.model.embed_tokens, QuantEmbedding):
         model.lm_head.weight = model.model.embed_tokens.weight
     if shard is not None:
         model = shard(model)
+    if quantization in KEPT_QUANTIZATIONS and quantization != "gguf":
+        quantize_linears(model.eval(), quantization)
     # The platform's fastest linear kernels, or weight-only int8 (quantization="int8").
-    return prepare_for_inference(model.to(device).eval(), quantization=quantization)
+    float_quantization = quantization if quantization in FLOAT_QUANTIZATIONS else None
+    return prepare_for_inference(model.to(device).eval(), quantization=float_quantization)
 
 
 def save_model(model: LlamaForCausalLM, model_dir: str | Path, dtype: torch.dtype | None = None) -> None:

@@ -28,7 +28,7 @@ from specdecode.errors import ConfigError
 from specdecode.sampling import SamplingParams
 from specdecode.server.guard import LOCAL_HOSTS, Guard
 from specdecode.server.limits import ServerLimits
-from specdecode.server import schema
+from specdecode.server import dashboard, schema
 from specdecode.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request, parse
 
 MAX_PROMPT_CHARS_PER_TOKEN = 64
@@ -87,6 +87,8 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    dashboard.install(app, engine, model_name)
 
     @app.get("/v1/models")
     async def models():

@@ -1,0 +1,87 @@
+"""specdecode's own CPU kernels (C++), compiled for this machine on first use, as llama.cpp is (-march=native).
+
+`quant()` returns the compiled module of quant.cpp (matrix products with block-quantized weights) and layer.cpp
+(a whole decoder layer per call), or None where
+it cannot be built (no C++ compiler, not an x86/ARM CPU build of torch, ...): callers then keep dequantized
+weights, which is correct and slower. The build lands in the cache (~/.cache/specdecode/kernels, or
+$SPECDECODE_KERNELS_DIR), keyed by the source, the torch version and this CPU's instruction sets, so it happens
+once per machine (~30-60 s) and later processes load it in milliseconds.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+SOURCES = [Path(__file__).with_name(name) for name in ("quant.cpp", "layer.cpp", "quant.h")]
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno"]
+"""Compiler flags: this CPU's instruction sets, and no fused multiply-adds the source does not write (so that a
+number is computed the same way in every tiling, see quant.cpp)."""
+
+_failure: str | None = None
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("SPECDECODE_KERNELS_DIR")
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specdecode" / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+    return platform.processor() or platform.machine()
+
+
+def build_key() -> str:
+    import torch
+    digest = hashlib.sha256()
+    for part in (*(path.read_bytes() for path in SOURCES), torch.__version__.encode(), _cpu_flags().encode(), " ".join(FLAGS).encode(),
+                 sys.version.encode()):
+        digest.update(part)
+    return digest.hexdigest()[:16]
+
+
+@functools.cache
+def quant():
+    """The compiled quant.cpp module, or None (then `failure()` says why)."""
+    global _failure
+    import torch  # noqa: F401  (the extension links against the loaded torch)
+
+    name = f"specdecode_quant_{build_key()}"
+    folder = cache_dir() / name
+    built = folder / f"{name}.so"
+    if built.is_file():  # built before: import it directly (~10 ms; cpp_extension.load re-runs ninja, ~2 s)
+        try:
+            spec = importlib.util.spec_from_file_location(name, built)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            return module
+        except ImportError:  # a damaged build: build again below
+            pass
+    from torch.utils import cpp_extension
+
+    print("specdecode: compiling the quantized CPU kernels for this machine (once, ~30-60 s) ...",
+          file=sys.stderr, flush=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        return cpp_extension.load(name=name, sources=[str(path) for path in SOURCES if path.suffix == ".cpp"], extra_cflags=FLAGS, build_directory=str(folder),
+                                  verbose=False)
+    except (OSError, RuntimeError, ImportError, SystemExit) as error:  # no compiler, no ninja, a failed build
+        lines = str(error).strip().splitlines()
+        _failure = f"{type(error).__name__}: {lines[-1] if lines else 'no message'}"
+        return None
+
+
+def failure() -> str | None:
+    """Why quant() returned None (after it did), else None."""
+    return _failure

@@ -1,0 +1,252 @@
+// One Llama decoder layer over the new tokens of a cached forward, in one call: RMSNorm, the q/k/v product,
+// rotary, the cache write, attention over the cache, the output product and residual, RMSNorm, gate/up, SiLU-mul,
+// the down product and residual. Python's version (model/llama.py + attention.py) runs ~60 operators a layer;
+// here the only allocations are the products' outputs.
+//
+// Numbers: float32 throughout (the activations' dtype of a quantized model on CPU; the cache is float32 on CPU).
+// Every token's result is computed by the same operations in the same order whatever else shares the forward
+// (other rows, the row's other new tokens, how many there are): the products are quant.cpp's (batch-invariant),
+// and attention runs per (token, head) over positions in order with a fixed exp. So a token's logits are the same
+// in a one-token decode step and in a verify pass over a draft tree.
+//
+// Cache layout (model/cache.py): keys [slots, kv_heads, head_dim, max_len] (transposed), values
+// [slots, kv_heads, max_len, head_dim]. Row b's new token t is written at lengths[b] + pending + t and sees the
+// row's committed prefix [0, lengths[b]) and, among the pending + T fresh positions after it, those that
+// visible[b][t] marks (no mask: the causal ones, fresh position f <= pending + t).
+#include "quant.h"
+
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+// rms_norm(x) * w for each of `rows` rows of width D, written to out.
+void rms_norm(const float* x, const float* w, float eps, int64_t rows, int64_t D, float* out) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const float* v = x + i * D;
+    double sum = 0.0;  // (a double accumulator: the same on every path, and exact enough not to matter)
+    for (int64_t j = 0; j < D; ++j) sum += static_cast<double>(v[j]) * v[j];
+    const float inv = 1.0f / std::sqrt(static_cast<float>(sum / D) + eps);
+    float* o = out + i * D;
+    for (int64_t j = 0; j < D; ++j) o[j] = (v[j] * inv) * w[j];
+  }
+}
+
+#if defined(__AVX2__)
+// exp for 8 floats (Cephes' expf: range reduction by ln 2, a degree-6 polynomial; ~1 ulp), exp(-inf) = 0.
+inline __m256 exp256(__m256 x) {
+  const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-88.3762626647949f);
+  const __m256 is_tiny = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+  __m256 n = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                           _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
+  r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(is_tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+#endif
+
+// The same function, one float at a time, operation for operation (the tail of a row of scores).
+inline float exp1(float x) {
+  if (x < -88.3762626647949f) return 0.0f;
+  x = std::min(std::max(x, -88.3762626647949f), 88.3762626647949f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = std::fma(p, r, 1.3981999507e-3f);
+  p = std::fma(p, r, 8.3334519073e-3f);
+  p = std::fma(p, r, 4.1665795894e-2f);
+  p = std::fma(p, r, 1.6666665459e-1f);
+  p = std::fma(p, r, 5.0000001201e-1f);
+  p = std::fma(p * r, r, r + 1.0f);
+  const int32_t bits = (static_cast<int32_t>(std::nearbyint(n)) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// Softmax attention of one query q [hd] (already scaled) over positions [0, L) of one kv head: keys_t [hd][stride]
+// (transposed), vals [L][hd]; allowed(j) says which positions it sees. scores: scratch of L floats. out [hd].
+template <typename Allowed>
+void attend_one(const float* q, const float* keys_t, int64_t stride, const float* vals, int64_t L, int64_t hd,
+                Allowed allowed, float* scores, float* out) {
+  int64_t j = 0;
+#if defined(__AVX2__)
+  for (; j + 8 <= L; j += 8) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t d = 0; d < hd; ++d)
+      acc = _mm256_fmadd_ps(_mm256_set1_ps(q[d]), _mm256_loadu_ps(keys_t + d * stride + j), acc);
+    _mm256_storeu_ps(scores + j, acc);
+  }
+#endif
+  for (; j < L; ++j) {
+    float acc = 0.0f;
+    for (int64_t d = 0; d < hd; ++d) acc = std::fma(q[d], keys_t[d * stride + j], acc);
+    scores[j] = acc;
+  }
+  float top = -INFINITY;
+  for (j = 0; j < L; ++j) {
+    if (allowed(j)) top = std::max(top, scores[j]);
+    else scores[j] = -INFINITY;
+  }
+  j = 0;
+#if defined(__AVX2__)
+  const __m256 top8 = _mm256_set1_ps(top);
+  for (; j + 8 <= L; j += 8)
+    _mm256_storeu_ps(scores + j, exp256(_mm256_sub_ps(_mm256_loadu_ps(scores + j), top8)));
+#endif
+  for (; j < L; ++j) scores[j] = exp1(scores[j] - top);
+  float total = 0.0f;
+  for (j = 0; j < L; ++j) total += scores[j];
+  const float inv = 1.0f / total;
+  for (int64_t d = 0; d < hd; ++d) out[d] = 0.0f;
+  for (j = 0; j < L; ++j) {
+    if (scores[j] == 0.0f) continue;  // masked (or underflowed): adds nothing
+    const float p = scores[j] * inv;
+    const float* v = vals + j * hd;
+    int64_t d = 0;
+#if defined(__AVX2__)
+    const __m256 p8 = _mm256_set1_ps(p);
+    for (; d + 8 <= hd; d += 8)
+      _mm256_storeu_ps(out + d, _mm256_fmadd_ps(p8, _mm256_loadu_ps(v + d), _mm256_loadu_ps(out + d)));
+#endif
+    for (; d < hd; ++d) out[d] = std::fma(p, v[d], out[d]);
+  }
+}
+
+}  // namespace
+
+void layer_step(torch::Tensor x, const torch::Tensor& input_norm, const torch::Tensor& post_norm, double eps,
+                const torch::Tensor& w_qkv, int64_t f_qkv, const c10::optional<torch::Tensor>& b_qkv,
+                const torch::Tensor& w_o, int64_t f_o, const torch::Tensor& w_gate_up, int64_t f_gate_up,
+                const torch::Tensor& w_down, int64_t f_down, const torch::Tensor& cos, const torch::Tensor& sin,
+                torch::Tensor keys, torch::Tensor values, const torch::Tensor& slots, const torch::Tensor& lengths,
+                int64_t pending, const c10::optional<torch::Tensor>& visible, int64_t num_heads,
+                int64_t num_kv_heads, int64_t new_tokens) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2, "x must be [B*T, D] float32");
+  TORCH_CHECK(keys.dtype() == torch::kFloat32 && values.dtype() == torch::kFloat32 && keys.is_contiguous() &&
+              values.is_contiguous(), "the cache must be contiguous float32");
+  const int64_t BT = x.size(0), D = x.size(1), T = new_tokens, B = BT / T;
+  const int64_t H = num_heads, G = num_kv_heads, hd = cos.size(1), group = H / G;
+  const int64_t max_len = keys.size(3), fresh = pending + T;
+  TORCH_CHECK(B * T == BT && slots.numel() == B && lengths.numel() == B, "rows and new tokens do not match x");
+  TORCH_CHECK(cos.size(0) == BT && sin.size(0) == BT && cos.is_contiguous() && sin.is_contiguous() &&
+              cos.dtype() == torch::kFloat32 && sin.dtype() == torch::kFloat32, "cos/sin must be [B*T, hd] float32");
+  auto slot_list = slots.to(torch::kInt64).contiguous();
+  auto length_list = lengths.to(torch::kInt64).contiguous();
+  const int64_t* slot = slot_list.data_ptr<int64_t>();
+  const int64_t* length = length_list.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(length[b] + fresh <= max_len && slot[b] >= 0 && slot[b] < keys.size(0),
+                "the KV cache holds ", max_len, " positions per row; this step needs ", length[b] + fresh);
+  const bool* mask = nullptr;
+  torch::Tensor mask_tensor;
+  if (visible.has_value() && visible->defined()) {
+    mask_tensor = visible->to(torch::kBool).contiguous();
+    TORCH_CHECK(mask_tensor.numel() == B * T * fresh, "visible must be [B, T, pending + T]");
+    mask = mask_tensor.data_ptr<bool>();
+  }
+  float* xs = x.data_ptr<float>();
+
+  // attention block
+  auto h = torch::empty({BT, D}, torch::kFloat32);
+  rms_norm(xs, input_norm.data_ptr<float>(), static_cast<float>(eps), BT, D, h.data_ptr<float>());
+  auto qkv = qmatmul(h, w_qkv, f_qkv, true);  // [BT, (H + 2G) * hd]
+  if (b_qkv.has_value() && b_qkv->defined()) qkv += *b_qkv;
+  const int64_t width = (H + 2 * G) * hd, half = hd / 2;
+  float* qkv_data = qkv.data_ptr<float>();
+  const float* cs = cos.data_ptr<float>();
+  const float* sn = sin.data_ptr<float>();
+  std::vector<float> rolled(hd);
+  for (int64_t i = 0; i < BT; ++i) {  // rotary on the q and k heads: x * cos + roll(x, hd/2) * signed_sin
+    for (int64_t head = 0; head < H + G; ++head) {
+      float* v = qkv_data + i * width + head * hd;
+      for (int64_t d = 0; d < hd; ++d) rolled[d] = v[(d + half) % hd];
+      for (int64_t d = 0; d < hd; ++d) v[d] = v[d] * cs[i * hd + d] + rolled[d] * sn[i * hd + d];
+    }
+  }
+  float* kd = keys.data_ptr<float>();
+  float* vd = values.data_ptr<float>();
+  const int64_t k_slot = G * hd * max_len, v_slot = G * max_len * hd;
+  for (int64_t b = 0; b < B; ++b) {  // the new keys and values into the cache
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t pos = length[b] + pending + t;
+      const float* row = qkv_data + (b * T + t) * width;
+      for (int64_t g = 0; g < G; ++g) {
+        const float* k = row + (H + g) * hd;
+        const float* v = row + (H + G + g) * hd;
+        float* kt = kd + slot[b] * k_slot + g * hd * max_len + pos;
+        for (int64_t d = 0; d < hd; ++d) kt[d * max_len] = k[d];
+        std::memcpy(vd + slot[b] * v_slot + (g * max_len + pos) * hd, v, hd * sizeof(float));
+      }
+    }
+  }
+  auto attn = torch::empty({BT, H * hd}, torch::kFloat32);
+  float* attn_data = attn.data_ptr<float>();
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  at::parallel_for(0, BT * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(max_len), q(hd);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t i = item / H, head = item % H, b = i / T, t = i % T, g = head / group;
+      const int64_t prefix = length[b], L = prefix + fresh;
+      const float* src = qkv_data + i * width + head * hd;
+      for (int64_t d = 0; d < hd; ++d) q[d] = src[d] * scale;
+      const float* kt = kd + slot[b] * k_slot + g * hd * max_len;
+      const float* vals = vd + slot[b] * v_slot + g * max_len * hd;
+      float* out = attn_data + i * H * hd + head * hd;
+      if (mask != nullptr) {
+        const bool* seen = mask + (b * T + t) * fresh;
+        attend_one(q.data(), kt, max_len, vals, L, hd,
+                   [&](int64_t j) { return j < prefix || seen[j - prefix]; }, scores.data(), out);
+      } else {
+        const int64_t last = prefix + pending + t;  // causal among the fresh positions
+        attend_one(q.data(), kt, max_len, vals, L, hd, [&](int64_t j) { return j <= last; }, scores.data(), out);
+      }
+    }
+  });
+  auto o = qmatmul(attn, w_o, f_o, true);  // [BT, D]
+  const float* od = o.data_ptr<float>();
+  for (int64_t i = 0; i < BT * D; ++i) xs[i] += od[i];
+
+  // MLP block
+  rms_norm(xs, post_norm.data_ptr<float>(), static_cast<float>(eps), BT, D, h.data_ptr<float>());
+  auto gate_up = qmatmul(h, w_gate_up, f_gate_up, true);  // [BT, 2F]
+  const int64_t F = gate_up.size(1) / 2;
+  auto act = torch::empty({BT, F}, torch::kFloat32);
+  const float* gu = gate_up.data_ptr<float>();
+  float* a = act.data_ptr<float>();
+  for (int64_t i = 0; i < BT; ++i) {  // silu(gate) * up = gate / (1 + exp(-gate)) * up
+    const float* gate = gu + i * 2 * F;
+    const float* up = gate + F;
+    float* out = a + i * F;
+    int64_t j = 0;
+#if defined(__AVX2__)
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (; j + 8 <= F; j += 8) {
+      const __m256 g = _mm256_loadu_ps(gate + j);
+      const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), g));
+      _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), _mm256_loadu_ps(up + j)));
+    }
+#endif
+    for (; j < F; ++j) out[j] = gate[j] / (1.0f + exp1(-gate[j])) * up[j];
+  }
+  auto down = qmatmul(act, w_down, f_down, true);  // [BT, D]
+  const float* dd = down.data_ptr<float>();
+  for (int64_t i = 0; i < BT * D; ++i) xs[i] += dd[i];
+}

@@ -1,0 +1,361 @@
+// Matrix products with block-quantized weights, for decoding on CPUs (the weights stay quantized in memory).
+//
+// Weight formats are GGUF's, byte for byte, one matrix row after the other (a row = in_features / 32 blocks):
+//   Q8_0: fp16 d, int8 q[32]                       w = d * q
+//   Q4_0: fp16 d, uint8 q[16] (two 4-bit values)   w = d * (q - 8)
+//   Q4_1: fp16 d, fp16 m, uint8 q[16]              w = d * q + m
+// In a 4-bit block, byte j holds element j in its low nibble and element j + 16 in its high nibble.
+//
+// Activations are quantized per row and per block of 32 to int16 with a float scale (d = max|x| / 32767) and the
+// block's sum (for Q4_1's offset); a block's dot product is then an integer one (AVX2: two vpmaddwd) scaled once.
+// llama.cpp rounds activations to int8 instead (d = max|x| / 127, one vpmaddubsw): 256 times coarser, which on
+// SmolLM2 moves logits by ~3% and changes greedy answers against the dequantised model (its Q4_1 answer to
+// "What is the capital of France?" is not Paris); with int16 the product is the dequantised model's to ~1e-5,
+// for ~1/3 more arithmetic per row and the same weight bytes.
+//
+// Batch invariance: the number for (row m, output n) is computed by the same sequence of operations whatever
+// the number of rows M and however rows are tiled or threads split the outputs (each (m, n) has its own
+// accumulator, blocks are summed in order, the horizontal sum is fixed; the file is compiled with
+// -ffp-contract=off). So a token's logits do not depend on what else shares its pass.
+#include "quant.h"
+
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t QK = 32;
+enum Format : int64_t { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2 };
+
+struct BlockQ8_0 { uint16_t d; int8_t q[32]; };
+struct BlockQ4_0 { uint16_t d; uint8_t q[16]; };
+struct BlockQ4_1 { uint16_t d; uint16_t m; uint8_t q[16]; };
+static_assert(sizeof(BlockQ8_0) == 34, "Q8_0 block");
+static_assert(sizeof(BlockQ4_0) == 18, "Q4_0 block");
+static_assert(sizeof(BlockQ4_1) == 20, "Q4_1 block");
+
+int64_t block_bytes(int64_t format) {
+  switch (format) {
+    case Q8_0: return sizeof(BlockQ8_0);
+    case Q4_0: return sizeof(BlockQ4_0);
+    case Q4_1: return sizeof(BlockQ4_1);
+  }
+  TORCH_CHECK(false, "unknown weight format ", format);
+}
+
+inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+#endif
+}
+
+// Rows of activations, quantized: q [M, K] int16, d [M, K/32] scales, s [M, K/32] = d * sum(q of the block).
+struct QuantRows {
+  torch::Tensor q, d, s;
+  int64_t rows, blocks;
+};
+
+QuantRows quantize_rows(const torch::Tensor& x) {
+  auto xf = x.to(torch::kFloat32).contiguous();
+  const int64_t M = xf.size(0), K = xf.size(1), nb = K / QK;
+  QuantRows out{torch::empty({M, K}, torch::kInt16), torch::empty({M, nb}, torch::kFloat32),
+                torch::empty({M, nb}, torch::kFloat32), M, nb};
+  const float* src = xf.data_ptr<float>();
+  int16_t* q = out.q.data_ptr<int16_t>();
+  float* d = out.d.data_ptr<float>();
+  float* s = out.s.data_ptr<float>();
+  at::parallel_for(0, M * nb, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* v = src + i * QK;  // rows are contiguous: block i of the flattened matrix
+      float amax = 0.f;
+      for (int j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(v[j]));
+      const float scale = amax / 32767.f;
+      const float inv = scale > 0.f ? 1.f / scale : 0.f;
+      int sum = 0;
+      for (int j = 0; j < QK; ++j) {
+        const int value = static_cast<int>(std::nearbyint(v[j] * inv));
+        q[i * QK + j] = static_cast<int16_t>(value);
+        sum += value;
+      }
+      d[i] = scale;
+      s[i] = scale * static_cast<float>(sum);
+    }
+  });
+  return out;
+}
+
+// ---- the reference: one (row, output) dot product in plain C++ (also the kernel where AVX2 is absent) ----
+
+float dot_scalar(int64_t format, const uint8_t* w, const int16_t* xq, const float* xd, const float* xs, int64_t nb) {
+  float total = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const int16_t* x = xq + b * QK;
+    int sum = 0;
+    float block;
+    if (format == Q8_0) {
+      const auto* blk = reinterpret_cast<const BlockQ8_0*>(w) + b;
+      for (int j = 0; j < QK; ++j) sum += blk->q[j] * x[j];
+      block = half_to_float(blk->d) * xd[b] * static_cast<float>(sum);
+    } else if (format == Q4_0) {
+      const auto* blk = reinterpret_cast<const BlockQ4_0*>(w) + b;
+      int xsum = 0;
+      for (int j = 0; j < 16; ++j) {
+        sum += (blk->q[j] & 0x0F) * x[j] + (blk->q[j] >> 4) * x[j + 16];
+        xsum += x[j] + x[j + 16];
+      }
+      block = half_to_float(blk->d) * xd[b] * static_cast<float>(sum - 8 * xsum);
+    } else {
+      const auto* blk = reinterpret_cast<const BlockQ4_1*>(w) + b;
+      for (int j = 0; j < 16; ++j) sum += (blk->q[j] & 0x0F) * x[j] + (blk->q[j] >> 4) * x[j + 16];
+      block = half_to_float(blk->d) * xd[b] * static_cast<float>(sum) + half_to_float(blk->m) * xs[b];
+    }
+    total += block;
+  }
+  return total;
+}
+
+#if defined(__AVX2__)
+
+inline float hsum(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_add_ps(lo, hi);
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+  return _mm_cvtss_f32(lo);
+}
+
+// 32 weights as int16 (lo: elements 0..15, hi: 16..31), from 32 bytes (signed or unsigned values).
+struct Wide { __m256i lo, hi; };
+
+inline Wide widen_signed(__m256i bytes) {
+  return {_mm256_cvtepi8_epi16(_mm256_castsi256_si128(bytes)), _mm256_cvtepi8_epi16(_mm256_extracti128_si256(bytes, 1))};
+}
+
+inline __m256i unpack_nibbles(const uint8_t* q) {
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+  const __m256i both = _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed);  // high half: elements 16..31
+  return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+}
+
+// One weight block as int16, with its scale (and Q4_1's offset).
+struct Unpacked {
+  Wide w;
+  float d, m;
+};
+
+template <int F>
+inline Unpacked unpack(const uint8_t* row, int64_t b) {
+  if constexpr (F == Q8_0) {
+    const auto* blk = reinterpret_cast<const BlockQ8_0*>(row) + b;
+    return {widen_signed(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk->q))), half_to_float(blk->d), 0.f};
+  } else if constexpr (F == Q4_0) {
+    const auto* blk = reinterpret_cast<const BlockQ4_0*>(row) + b;
+    return {widen_signed(_mm256_sub_epi8(unpack_nibbles(blk->q), _mm256_set1_epi8(8))), half_to_float(blk->d), 0.f};
+  } else {
+    const auto* blk = reinterpret_cast<const BlockQ4_1*>(row) + b;
+    return {widen_signed(unpack_nibbles(blk->q)), half_to_float(blk->d), half_to_float(blk->m)};  // 0..15: signed is fine
+  }
+}
+
+// Integer dot product of a weight block with 32 int16 activations -> 8 int32 lanes (exact: |w| <= 127).
+inline __m256i block_dot(const Wide& w, const int16_t* x) {
+  const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16));
+  return _mm256_add_epi32(_mm256_madd_epi16(w.lo, x0), _mm256_madd_epi16(w.hi, x1));
+}
+
+// The outputs of WR weight rows (w, w + row_bytes, ...) for R activation rows: out[r * out_stride + j].
+// Every (row, output) pair has its own accumulator and sees the same operations in the same order whatever WR
+// and R are: the tiles only decide what is loaded once and reused, never how a number is summed.
+template <int F, int WR, int R>
+void tile_avx2(const uint8_t* w, int64_t row_bytes, const int16_t* xq, const float* xd, const float* xs,
+               int64_t nb, int64_t K, float* out, int64_t out_stride) {
+  __m256 acc[WR][R];
+  float offset[WR][R];
+  for (int j = 0; j < WR; ++j)
+    for (int r = 0; r < R; ++r) { acc[j][r] = _mm256_setzero_ps(); offset[j][r] = 0.f; }
+  for (int64_t b = 0; b < nb; ++b) {
+    Unpacked blocks[WR];
+    for (int j = 0; j < WR; ++j) blocks[j] = unpack<F>(w + j * row_bytes, b);
+    for (int r = 0; r < R; ++r) {
+      const int16_t* x = xq + r * K + b * QK;
+      const float dx = xd[r * nb + b];
+      for (int j = 0; j < WR; ++j) {
+        const __m256i p = block_dot(blocks[j].w, x);
+        acc[j][r] = _mm256_fmadd_ps(_mm256_set1_ps(blocks[j].d * dx), _mm256_cvtepi32_ps(p), acc[j][r]);
+        if constexpr (F == Q4_1) offset[j][r] += blocks[j].m * xs[r * nb + b];
+      }
+    }
+  }
+  for (int j = 0; j < WR; ++j)
+    for (int r = 0; r < R; ++r) out[r * out_stride + j] = hsum(acc[j][r]) + offset[j][r];
+}
+
+// Weight rows [n_begin, n_end) against activation rows [m0, m0 + R): tiles of WR weight rows, then one at a time.
+template <int F, int WR, int R>
+void rows_avx2(const uint8_t* weight, int64_t row_bytes, const int16_t* q, const float* d, const float* s,
+               int64_t nb, int64_t K, float* out, int64_t N, int64_t n_begin, int64_t n_end) {
+  int64_t n = n_begin;
+  for (; n + WR <= n_end; n += WR) tile_avx2<F, WR, R>(weight + n * row_bytes, row_bytes, q, d, s, nb, K, out + n, N);
+  for (; n < n_end; ++n) tile_avx2<F, 1, R>(weight + n * row_bytes, row_bytes, q, d, s, nb, K, out + n, N);
+}
+
+#ifndef R1_WR
+#define R1_WR 2
+#endif
+
+template <int F>
+void range_avx2(const uint8_t* weight, int64_t row_bytes, const int16_t* q, const float* d, const float* s,
+                int64_t nb, int64_t K, int64_t rows, float* out, int64_t N, int64_t n0, int64_t n1) {
+  switch (rows) {  // weight rows per tile: as many as keep every accumulator in a register
+    case 8: rows_avx2<F, 1, 8>(weight, row_bytes, q, d, s, nb, K, out, N, n0, n1); break;
+    case 7: rows_avx2<F, 1, 7>(weight, row_bytes, q, d, s, nb, K, out, N, n0, n1); break;
+    case 6: rows_avx2<F, 1, 6>(weight, row_bytes, q, d, s, nb, K, out, N, n0, n1); break;
+    case 5: rows_avx2<F, 1, 5>(weight, row_bytes, q, d, s, nb, K, out, N, n0, n1); break;
+    case 4: rows_avx2<F, 1, 4>(weight, row_bytes, q, d, s, nb, K, out, N, n0, n1); break;
+    case 3: rows_avx2<F, 1, 3>(weight, row_bytes, q, d, s, nb, K, out, N, n0, n1); break;
+    case 2: rows_avx2<F, 2, 2>(weight, row_bytes, q, d, s, nb, K, out, N, n0, n1); break;
+    default: rows_avx2<F, R1_WR, 1>(weight, row_bytes, q, d, s, nb, K, out, N, n0, n1); break;
+  }
+}
+
+#endif  // __AVX2__
+
+constexpr int64_t ROW_TILE = 8;     // activation rows per pass over a weight row (their accumulators in registers)
+constexpr int64_t WEIGHT_TILE = 16;  // weight rows kept hot while every tile of activation rows passes over them
+
+void matmul_range(int64_t format, const uint8_t* weight, int64_t row_bytes, const QuantRows& x, int64_t K,
+                  float* out, int64_t N, int64_t n_begin, int64_t n_end, bool use_simd) {
+  const int16_t* xq = x.q.data_ptr<int16_t>();
+  const float* xd = x.d.data_ptr<float>();
+  const float* xs = x.s.data_ptr<float>();
+  const int64_t M = x.rows, nb = x.blocks;
+  for (int64_t n0 = n_begin; n0 < n_end; n0 += WEIGHT_TILE) {
+    const int64_t n1 = std::min(n_end, n0 + WEIGHT_TILE);
+    for (int64_t m0 = 0; m0 < M; m0 += ROW_TILE) {
+      const int64_t rows = std::min(ROW_TILE, M - m0);
+      const int16_t* q = xq + m0 * K;
+      const float* d = xd + m0 * nb;
+      const float* s = xs + m0 * nb;
+#if defined(__AVX2__)
+      if (use_simd) {
+        float* o = out + m0 * N;
+        if (format == Q8_0) range_avx2<Q8_0>(weight, row_bytes, q, d, s, nb, K, rows, o, N, n0, n1);
+        else if (format == Q4_0) range_avx2<Q4_0>(weight, row_bytes, q, d, s, nb, K, rows, o, N, n0, n1);
+        else range_avx2<Q4_1>(weight, row_bytes, q, d, s, nb, K, rows, o, N, n0, n1);
+        continue;
+      }
+#endif
+      for (int64_t n = n0; n < n1; ++n) {
+        const uint8_t* w = weight + n * row_bytes;
+        float* o = out + m0 * N + n;
+        for (int64_t r = 0; r < rows; ++r)
+          o[r * N] = dot_scalar(format, w, q + r * K, d + r * nb, s + r * nb, nb);
+      }
+    }
+  }
+}
+
+void check_weight(const torch::Tensor& weight, int64_t format, int64_t in_features) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.dtype() == torch::kUInt8 && weight.dim() == 2 &&
+              weight.is_contiguous(), "quantized weight must be a contiguous 2-d uint8 CPU tensor");
+  TORCH_CHECK(in_features % QK == 0, "in_features must be a multiple of 32, got ", in_features);
+  TORCH_CHECK(weight.size(1) == in_features / QK * block_bytes(format),
+              "quantized weight rows hold ", weight.size(1), " bytes; format ", format, " with ", in_features,
+              " inputs needs ", in_features / QK * block_bytes(format));
+}
+
+}  // namespace
+
+// x [M, K] (any float dtype) @ dequantized(weight [N, K]).T -> [M, N] float32.
+torch::Tensor qmatmul(const torch::Tensor& x, const torch::Tensor& weight, int64_t format, bool use_simd) {
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "x must be a 2-d CPU tensor");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  check_weight(weight, format, K);
+  auto out = torch::empty({M, N}, torch::kFloat32);
+  if (M == 0) return out;
+  const QuantRows quantized = quantize_rows(x);
+  const uint8_t* w = weight.data_ptr<uint8_t>();
+  float* o = out.data_ptr<float>();
+  const int64_t row_bytes = weight.size(1);
+  at::parallel_for(0, N, WEIGHT_TILE * 4, [&](int64_t begin, int64_t end) {
+    matmul_range(format, w, row_bytes, quantized, K, o, N, begin, end, use_simd);
+  });
+  return out;
+}
+
+// The rows `index` [T] (int64) of a quantized matrix, dequantized -> [T, K] float32 (an embedding lookup).
+torch::Tensor dequantize_rows(const torch::Tensor& weight, int64_t format, int64_t in_features,
+                              const torch::Tensor& index) {
+  check_weight(weight, format, in_features);
+  auto idx = index.to(torch::kInt64).contiguous();
+  const int64_t T = idx.numel(), nb = in_features / QK, row_bytes = weight.size(1), N = weight.size(0);
+  auto out = torch::empty({T, in_features}, torch::kFloat32);
+  const int64_t* ids = idx.data_ptr<int64_t>();
+  const uint8_t* w = weight.data_ptr<uint8_t>();
+  float* o = out.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(ids[t] >= 0 && ids[t] < N, "row index ", ids[t], " out of range for ", N, " rows");
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const uint8_t* row = w + ids[t] * row_bytes;
+      float* dst = o + t * in_features;
+      for (int64_t b = 0; b < nb; ++b) {
+        float* v = dst + b * QK;
+        if (format == Q8_0) {
+          const auto* blk = reinterpret_cast<const BlockQ8_0*>(row) + b;
+          const float d = half_to_float(blk->d);
+          for (int j = 0; j < QK; ++j) v[j] = d * blk->q[j];
+        } else if (format == Q4_0) {
+          const auto* blk = reinterpret_cast<const BlockQ4_0*>(row) + b;
+          const float d = half_to_float(blk->d);
+          for (int j = 0; j < 16; ++j) {
+            v[j] = d * ((blk->q[j] & 0x0F) - 8);
+            v[j + 16] = d * ((blk->q[j] >> 4) - 8);
+          }
+        } else {
+          const auto* blk = reinterpret_cast<const BlockQ4_1*>(row) + b;
+          const float d = half_to_float(blk->d), m = half_to_float(blk->m);
+          for (int j = 0; j < 16; ++j) {
+            v[j] = d * (blk->q[j] & 0x0F) + m;
+            v[j + 16] = d * (blk->q[j] >> 4) + m;
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
+
+bool has_simd() {
+#if defined(__AVX2__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+std::string instruction_set() {
+#if defined(__AVX2__)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("qmatmul", &qmatmul, "x [M, K] @ dequantized(weight [N, K]).T -> [M, N] float32");
+  m.def("dequantize_rows", &dequantize_rows, "rows of a quantized matrix as float32");
+  m.def("layer_step", &layer_step, "one decoder layer over a cached forward's new tokens, in place");
+  m.def("has_simd", &has_simd);
+  m.def("instruction_set", &instruction_set);
+}

@@ -1,0 +1,15 @@
+// Shared between quant.cpp (block-quantized matrix products) and layer.cpp (a whole decoder layer in one call).
+#pragma once
+#include <torch/extension.h>
+
+// x [M, K] (any float dtype) @ dequantized(weight [N, K]).T -> [M, N] float32 (see quant.cpp).
+torch::Tensor qmatmul(const torch::Tensor& x, const torch::Tensor& weight, int64_t format, bool use_simd);
+
+// One Llama decoder layer over the new tokens of a cached forward, in place on x (see layer.cpp).
+void layer_step(torch::Tensor x, const torch::Tensor& input_norm, const torch::Tensor& post_norm, double eps,
+                const torch::Tensor& w_qkv, int64_t f_qkv, const c10::optional<torch::Tensor>& b_qkv,
+                const torch::Tensor& w_o, int64_t f_o, const torch::Tensor& w_gate_up, int64_t f_gate_up,
+                const torch::Tensor& w_down, int64_t f_down, const torch::Tensor& cos, const torch::Tensor& sin,
+                torch::Tensor keys, torch::Tensor values, const torch::Tensor& slots, const torch::Tensor& lengths,
+                int64_t pending, const c10::optional<torch::Tensor>& visible, int64_t num_heads,
+                int64_t num_kv_heads, int64_t new_tokens);

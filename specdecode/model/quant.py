@@ -1,0 +1,231 @@
+"""Weights kept block-quantized in memory - GGUF's Q8_0, Q4_0 and Q4_1, byte for byte - and multiplied by
+specdecode's own kernels (specdecode/kernels/quant.cpp, compiled for this CPU on first use).
+
+A GGUF file's matrices are taken as shipped (`quantize_from_gguf`: the same weights llama.cpp runs, 0.56 bytes a
+weight for Q4_1, 1.06 for Q8_0, where the dequantized bfloat16 copy reads 2); any other checkpoint is
+quantized at load (`quantize_linears`, GGUF's reference rounding through the gguf package). Activations stay in
+the model's dtype (float32 by default on CPUs without native bfloat16); the kernels quantize each row of
+activations to 8 bits per block of 32 as llama.cpp does, so the quantized model is its own target: speculation is
+exact relative to it (its logits do not depend on how many rows share a pass, see quant.cpp).
+
+The modules keep the rest of the code base unchanged: `state_dict()` gives the dequantized weights under the
+original names (so digests, saving and the split of stacked q/k/v behave as for a float model) and `.weight` is a
+dequantized copy made on access (for the few readers of whole tables, e.g. a speculator's head rows).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from specdecode.errors import ConfigError
+
+FORMATS = {"q8_0": 0, "q4_0": 1, "q4_1": 2}
+"""Block formats the kernels multiply, with their ids in quant.cpp."""
+BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
+"""Bytes per block of 32 weights."""
+GGUF_FORMATS = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
+"""GGUF tensor types kept as shipped."""
+QUANTIZATIONS = ("gguf", *FORMATS)
+"""What `quantization=` takes for kept-quantized weights: 'gguf' (a GGUF's matrices as shipped) or a format
+(every matrix quantized to it at load)."""
+
+
+def kernels():
+    """The compiled kernels, or None where they cannot be built here."""
+    from specdecode import kernels as compiled
+    return compiled.quant()
+
+
+def require_kernels():
+    module = kernels()
+    if module is None:
+        from specdecode import kernels as compiled
+        raise ConfigError(f"the quantized CPU kernels could not be compiled here ({compiled.failure()}); install a "
+                          "C++ compiler (g++) and ninja, or load the model without quantization (--quantization none)")
+    return module
+
+
+def _ggml_type(fmt: str):
+    from gguf import GGMLQuantizationType
+    return GGMLQuantizationType[fmt.upper()]
+
+
+def quantize(weight: torch.Tensor, fmt: str) -> torch.Tensor:
+    """weight [N, K] (K a multiple of 32) -> uint8 [N, K / 32 * block bytes] in GGUF's layout and rounding."""
+    from gguf.quants import quantize as gguf_quantize
+
+    if weight.shape[-1] % 32:
+        raise ConfigError(f"cannot quantize a matrix with {weight.shape[-1]} inputs to {fmt}: blocks are 32 wide")
+    data = gguf_quantize(weight.detach().float().cpu().numpy(), _ggml_type(fmt))
+    return torch.from_numpy(np.ascontiguousarray(data))
+
+
+def dequantize(qweight: torch.Tensor, fmt: str, in_features: int) -> torch.Tensor:
+    """uint8 [N, bytes] -> float32 [N, in_features] (the same numbers as gguf's dequantization)."""
+    module = kernels()
+    if module is not None:
+        return module.dequantize_rows(qweight, FORMATS[fmt], in_features, torch.arange(qweight.shape[0]))
+    from gguf.quants import dequantize as gguf_dequantize
+    values = gguf_dequantize(qweight.numpy(), _ggml_type(fmt))
+    return torch.from_numpy(np.ascontiguousarray(values.reshape(qweight.shape[0], in_features)))
+
+
+class QuantLinear(nn.Module):
+    """y = x @ W.T (+ b) with W block-quantized (`qweight` [out, bytes], uint8); inference only."""
+
+    def __init__(self, qweight: torch.Tensor, fmt: str, in_features: int, out_features: int,
+                 bias: torch.Tensor | None = None, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        if fmt not in FORMATS:
+            raise ConfigError(f"weight format {fmt!r} is not one of {', '.join(FORMATS)}")
+        if tuple(qweight.shape) != (out_features, in_features // 32 * BLOCK_BYTES[fmt]):
+            raise ConfigError(f"a {fmt} matrix of {out_features} x {in_features} holds {out_features} rows of "
+                              f"{in_features // 32 * BLOCK_BYTES[fmt]} bytes, not {tuple(qweight.shape)}")
+        self.fmt, self.format_id = fmt, FORMATS[fmt]
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("qweight", qweight)
+        self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
+        self.value_dtype = dtype  # what state_dict() and .weight give, and the output's dtype
+        self._kernel = require_kernels().qmatmul
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, fmt: str) -> "QuantLinear":
+        bias = None if linear.bias is None else linear.bias.detach()
+        return cls(quantize(linear.weight, fmt), fmt, linear.in_features, linear.out_features, bias,
+                   linear.weight.dtype)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """A dequantized copy [out, in] (made on every access)."""
+        return dequantize(self.qweight, self.fmt, self.in_features).to(self.value_dtype)
+
+    def bytes_read(self) -> int:
+        bias = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
+        return self.qweight.numel() + bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        out = self._kernel(flat, self.qweight, self.format_id, True)  # [M, out] float32
+        if self.bias is not None:
+            out += self.bias
+        if x.dtype != torch.float32:
+            out = out.to(x.dtype)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        destination[prefix + "weight"] = self.weight
+        if self.bias is not None:
+            destination[prefix + "bias"] = self.bias if keep_vars else self.bias.detach()
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, format={self.fmt}, " \
+               f"bias={self.bias is not None}"
+
+
+class QuantEmbedding(nn.Module):
+    """An embedding table kept block-quantized: a lookup dequantizes the rows it reads."""
+
+    def __init__(self, qweight: torch.Tensor, fmt: str, num_embeddings: int, embedding_dim: int,
+                 dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.fmt, self.format_id = fmt, FORMATS[fmt]
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.register_buffer("qweight", qweight)
+        self.value_dtype = dtype
+        self._rows = require_kernels().dequantize_rows
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """A dequantized copy [num, dim] (made on every access)."""
+        return dequantize(self.qweight, self.fmt, self.embedding_dim).to(self.value_dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self._rows(self.qweight, self.format_id, self.embedding_dim, ids.reshape(-1))
+        return rows.to(self.value_dtype).view(*ids.shape, self.embedding_dim)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        destination[prefix + "weight"] = self.weight
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, format={self.fmt}"
+
+
+def quantize_linears(model: nn.Module, fmt: str) -> nn.Module:
+    """Every nn.Linear of model (and an untied output head) quantized to fmt at load, in place; returns model.
+    The input embedding stays as it is (a lookup reads one row)."""
+    require_kernels()
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear and child.in_features % 32 == 0:
+                setattr(parent, name, QuantLinear.from_linear(child, fmt))
+    return model
+
+
+def quantized_format(model: nn.Module) -> str | None:
+    """The block formats of model's quantized matrices ('q4_1', 'q4_1+q8_0', ...), or None if it has none."""
+    formats = sorted({m.fmt for m in model.modules() if isinstance(m, QuantLinear | QuantEmbedding)})
+    return "+".join(formats) or None
+
+
+STACKS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+"""The decoder's stacked matrices (llama.py's stack_under_hf_names) and the checkpoint matrices they hold."""
+
+
+def attach_quantized(model: nn.Module, state: dict, dtype: torch.dtype) -> None:
+    """Put the quantized matrices of `state` (name -> (format, uint8 rows), see gguf_state_dict's keep) into
+    model (built on the meta device, llama.py's LlamaForCausalLM) as QuantLinear / QuantEmbedding modules, and
+    take them out of state. A stack whose parts differ in format (mixed GGUF types) is dequantized instead: its
+    parts are left in state as float tensors for the usual load."""
+    require_kernels()
+
+    def take(name: str):
+        fmt, rows = state.pop(name + ".weight")
+        return fmt, rows
+
+    def dequantize_in_place(names):
+        for name in names:
+            key = name + ".weight"
+            if isinstance(state.get(key), tuple):
+                fmt, rows = state[key]
+                state[key] = dequantize(rows, fmt, rows.shape[1] // BLOCK_BYTES[fmt] * 32)
+
+    for i, layer in enumerate(model.model.layers):
+        prefix = f"model.layers.{i}."
+        for stacked, parts in STACKS.items():
+            keys = [prefix + part + ".weight" for part in parts]
+            kinds = {state[k][0] if isinstance(state.get(k), tuple) else None for k in keys}
+            if len(kinds) != 1 or None in kinds:
+                dequantize_in_place(prefix + part for part in parts)
+                continue
+            taken = [take(prefix + part) for part in parts]
+            fmt, rows = taken[0][0], torch.cat([r for _, r in taken])
+            parent, attr = stacked.split(".")
+            old = getattr(getattr(layer, parent), attr)
+            bias = None
+            if old.bias is not None:
+                bias_keys = [prefix + part + ".bias" for part in parts]
+                if all(k in state for k in bias_keys):
+                    bias = torch.cat([state.pop(k) for k in bias_keys])
+            setattr(getattr(layer, parent), attr,
+                    QuantLinear(rows, fmt, old.in_features, old.out_features, bias, dtype))
+        for single in ("self_attn.o_proj", "mlp.down_proj"):
+            key = prefix + single + ".weight"
+            if isinstance(state.get(key), tuple):
+                parent, attr = single.split(".")
+                old = getattr(getattr(layer, parent), attr)
+                fmt, rows = take(prefix + single)
+                setattr(getattr(layer, parent), attr, QuantLinear(rows, fmt, old.in_features, old.out_features,
+                                                                  None, dtype))
+    config = model.config
+    embed = state.get("model.embed_tokens.weight")
+    if isinstance(embed, tuple):
+        fmt, rows = take("model.embed_tokens")
+        model.model.embed_tokens = QuantEmbedding(rows, fmt, config.vocab_size, config.hidden_size, dtype)
+        if config.tie_word_embeddings:
+            model.lm_head = QuantLinear(rows, fmt, config.hidden_size, config.vocab_size, None, dtype)
+    if isinstance(state.get("lm_head.weight"), tuple):
+        fmt, rows = take("lm_head")
+        model.lm_head = QuantLinear(rows, fmt, config.hidden_size, config.vocab_size, None, dtype)
+    dequantize_in_place(k.removesuffix(".weight") for k, v in list(state.items()) if isinstance(v, tuple))

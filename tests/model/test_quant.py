@@ -1,0 +1,148 @@
+"""Block-quantized weights (model/quant.py, kernels/quant.cpp): the kernels against a reference written here,
+bitwise batch invariance, GGUF bytes kept as shipped, and the model-level behaviour (state dict, digest, errors)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from specdecode.errors import ConfigError
+from specdecode.model.digest import weights_digest
+from specdecode.model.loading import load_model
+from specdecode.model.quant import (BLOCK_BYTES, FORMATS, QuantEmbedding, QuantLinear, dequantize, kernels, quantize,
+                                    quantized_format)
+
+from .gguf_files import tiny_model, write_gguf
+
+pytestmark = pytest.mark.skipif(kernels() is None, reason="the quantized kernels cannot be compiled here")
+
+
+def quantized_activations(x: torch.Tensor) -> torch.Tensor:
+    """What the kernels multiply: each block of 32 rounded to int16 steps of max|x| / 32767 (float64)."""
+    blocks = x.double().reshape(x.shape[0], -1, 32)
+    scale = (blocks.float().abs().amax(-1, keepdim=True) / 32767).double()
+    steps = torch.where(scale > 0, torch.round(blocks / torch.where(scale > 0, scale, 1)), 0)
+    return (steps * scale).reshape(x.shape)
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("simd", [True, False])
+def test_matmul_equals_the_reference(fmt, simd):
+    torch.manual_seed(0)
+    weight = torch.randn(37, 96) * 0.1
+    x = torch.randn(11, 96)
+    q = quantize(weight, fmt)
+    assert q.shape == (37, 3 * BLOCK_BYTES[fmt]) and q.dtype == torch.uint8
+    reference = quantized_activations(x) @ dequantize(q, fmt, 96).double().T
+    out = kernels().qmatmul(x, q, FORMATS[fmt], simd)
+    assert out.dtype == torch.float32 and out.shape == (11, 37)
+    torch.testing.assert_close(out.double(), reference, rtol=1e-5, atol=1e-5)
+    # and the quantization itself is close to the float product (a check that the formats decode as meant): a
+    # 4-bit step of a Gaussian's range is ~0.4 sigma (error ~0.12 sigma), an 8-bit one ~0.05 sigma
+    exact = x @ weight.T
+    assert (out - exact).norm() / exact.norm() < (0.2 if fmt.startswith("q4") else 0.02)
+
+
+def test_dequantize_equals_gguf():
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    weight = torch.randn(8, 64)
+    for fmt in FORMATS:
+        q = quantize(weight, fmt)
+        theirs = gguf_dequantize(q.numpy(), GGMLQuantizationType[fmt.upper()]).reshape(8, 64)
+        assert torch.equal(dequantize(q, fmt, 64), torch.from_numpy(np.ascontiguousarray(theirs)))
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_a_rows_result_does_not_depend_on_the_other_rows(fmt):
+    """Bitwise: row i of a product over M rows equals the product of row i alone, for every M (tiles of 8 rows,
+    remainders of every size) and with two threads splitting the outputs."""
+    torch.manual_seed(1)
+    q = quantize(torch.randn(300, 128) * 0.1, fmt)
+    x = torch.randn(21, 128)
+    alone = torch.cat([kernels().qmatmul(x[i:i + 1], q, FORMATS[fmt], True) for i in range(21)])
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in (1, 2):
+            torch.set_num_threads(n_threads)
+            for m in (2, 3, 8, 9, 16, 21):
+                assert torch.equal(kernels().qmatmul(x[:m], q, FORMATS[fmt], True), alone[:m])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_bad_weights_are_refused():
+    q = quantize(torch.randn(4, 64), "q8_0")
+    with pytest.raises(RuntimeError, match="hold 68 bytes; format 2 with 64 inputs needs 40"):
+        kernels().qmatmul(torch.randn(1, 64), q, FORMATS["q4_1"], True)
+    with pytest.raises(ConfigError, match="blocks are 32 wide"):
+        quantize(torch.randn(4, 40), "q8_0")
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernels().dequantize_rows(q, FORMATS["q8_0"], 64, torch.tensor([4]))
+
+
+def test_linear_and_embedding_modules():
+    torch.manual_seed(2)
+    linear = nn.Linear(64, 10)
+    layer = QuantLinear.from_linear(linear, "q8_0")
+    x = torch.randn(2, 3, 64)
+    with torch.inference_mode():
+        out = layer(x)
+    assert out.shape == (2, 3, 10)
+    assert (out - linear(x)).norm() < 0.02 * linear(x).norm()
+    state = layer.state_dict()
+    assert set(state) == {"weight", "bias"} and torch.equal(state["weight"], layer.weight)
+    table = torch.randn(20, 64)
+    embedding = QuantEmbedding(quantize(table, "q4_1"), "q4_1", 20, 64)
+    ids = torch.tensor([[3, 19], [0, 3]])
+    assert torch.equal(embedding(ids), embedding.weight[ids])
+    assert (embedding(ids) - table[ids]).abs().max() < 0.3
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory, tiny_models):
+    folder = tmp_path_factory.mktemp("quant-gguf")
+    model = tiny_model("llama", vocab_size=300)
+    return write_gguf(folder / "q41.gguf", model, tiny_models["tok"] / "tokenizer.json", "llama", "Q4_1"), model
+
+
+def test_gguf_matrices_kept_as_shipped(tiny_gguf):
+    """quantization='gguf' multiplies the file's own Q4_1 bytes: the same numbers as the dequantised model up to
+    the activations' rounding, the same state dict and digest, and no float copy of the matrices."""
+    path, _ = tiny_gguf
+    kept = load_model(path, dtype="float32", quantization="gguf")
+    dense = load_model(path, dtype="float32")
+    assert quantized_format(kept) == "q4_1" and quantized_format(dense) is None
+    assert not any(isinstance(m, nn.Linear) for m in kept.modules())
+    assert sum(p.numel() for p in kept.parameters()) < 0.02 * sum(p.numel() for p in dense.parameters())
+    state, dense_state = kept.state_dict(), dense.state_dict()
+    assert state.keys() == dense_state.keys()
+    assert all(torch.equal(state[k], dense_state[k]) for k in state)
+    assert weights_digest(kept) == weights_digest(dense)
+    ids = torch.randint(0, 300, (2, 9))
+    with torch.inference_mode():
+        a, b = kept(ids).logits, dense(ids).logits
+    assert (a - b).abs().max() < 0.05 * b.abs().max()
+    again = load_model(path, dtype="float32", quantization="gguf")  # from the converted copy this time
+    with torch.inference_mode():
+        assert torch.equal(again(ids).logits, a)
+
+
+def test_quantized_at_load(tiny_models):
+    dense = load_model(tiny_models["target"], dtype="float32")
+    q8 = load_model(tiny_models["target"], dtype="float32", quantization="q8_0")
+    assert quantized_format(q8) == "q8_0"
+    ids = torch.randint(0, 300, (1, 12))
+    with torch.inference_mode():
+        a, b = q8(ids).logits, dense(ids).logits
+    # each matrix is within ~1% (test_linear_and_embedding_modules); a random model amplifies that over layers
+    assert (a - b).norm() < 0.15 * b.norm()
+
+
+def test_quantization_errors(tiny_models):
+    with pytest.raises(ConfigError, match="is not a GGUF; use q8_0"):
+        load_model(tiny_models["target"], quantization="gguf")
+    with pytest.raises(ConfigError, match="not supported; use one of"):
+        load_model(tiny_models["target"], quantization="q3_x")
