@@ -1,0 +1,109 @@
+"""The dashboard's routes and the metrics it draws, on the tiny models (the page in a real browser, and a real
+Prometheus scraping the server, are tests/server/test_observability.py): the page and its script come from the
+package and load nothing from elsewhere; /dashboard/data carries the very numbers /metrics shows; the counters added
+for it agree with the engine's own counts; the KV gauge follows the tokens the running sequences hold; and every
+metric is documented in docs/metrics.md."""
+import re
+import threading
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from specdecode.engine.metrics import EngineMetrics
+
+from .conftest import WAIT, SpecCounts, StepGate
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
+
+
+def exposition(url: str) -> dict[str, float]:
+    """/metrics as 'name{label="value"}' -> value, without histogram buckets and creation times."""
+    values = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for s in family.samples:
+            if s.name.endswith(("_bucket", "_created")):
+                continue
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            values[s.name + (f"{{{labels}}}" if labels else "")] = s.value
+    return values
+
+
+def complete(server, prompt: str, max_tokens: int) -> dict:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    response = httpx.post(server.url + "/v1/completions", json=body, timeout=WAIT)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_the_page_and_its_script_come_from_the_package(server):
+    page = httpx.get(server.url + "/dashboard")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert '<script src="dashboard/dashboard.js">' in page.text and 'id="status"' in page.text
+    script = httpx.get(server.url + "/dashboard/dashboard.js")
+    assert script.status_code == 200 and "javascript" in script.headers["content-type"]
+    assert "dashboard/data" in script.text and "getContext(\"2d\")" in script.text
+    for body in (page.text, script.text):
+        assert "://" not in body, "the dashboard must not load anything from another site"
+    policy = page.headers["content-security-policy"]
+    assert "default-src 'none'" in policy and "script-src 'self'" in policy and "connect-src 'self'" in policy
+
+
+def test_data_are_the_numbers_of_metrics(server):
+    complete(server, "def add(a, b):", 12)
+    assert server.engine.wait_idle(WAIT)
+    data = httpx.get(server.url + "/dashboard/data").json()
+    assert data["model"] == server.model and data["method"] == "draft_model"
+    assert data["max_num_seqs"] == server.llm.max_num_seqs and data["poll_seconds"] > 0
+    assert data["samples"] == exposition(server.url)
+    assert data["samples"]["specdecode:generation_tokens_total"] >= 12
+
+
+def test_added_counters_agree_with_the_engine(server):
+    before, counts = exposition(server.url), SpecCounts(server)
+    outs = [complete(server, prompt, n) for prompt, n in (("class Point:", 20), ("for i in range(10):", 13))]
+    assert server.engine.wait_idle(WAIT)
+    after, engine = exposition(server.url), counts.assert_speculated()
+
+    def moved(name):
+        return after.get(f"specdecode:{name}", 0) - before.get(f"specdecode:{name}", 0)
+
+    positions = range(server.llm.tree_size)
+    drafted = [moved(f'spec_decode_num_drafts_per_pos_total{{position="{p}"}}') for p in positions]
+    accepted = [moved(f'spec_decode_num_accepted_tokens_per_pos_total{{position="{p}"}}') for p in positions]
+    assert drafted[0] == engine["drafts"]  # every draft has a first position
+    assert sum(drafted) == engine["draft_tokens"]  # a chain's depth is its length
+    assert all(d >= a for d, a in zip(drafted, accepted)) and drafted == sorted(drafted, reverse=True)
+    assert moved('spec_decode_num_draft_tokens_by_method_total{method="draft_model"}') == engine["draft_tokens"]
+    assert moved('spec_decode_num_accepted_tokens_by_method_total{method="draft_model"}') == engine["accepted_tokens"]
+    # Each request takes one sequence-step per decode step it is in.
+    assert moved("decode_batch_size_sum") == engine["steps"]
+    assert moved("decode_batch_size_count") == moved("spec_decode_verify_time_seconds_count") > 0
+    assert moved("spec_decode_actual_seconds_total") > 0 and moved("spec_decode_plain_equivalent_seconds_total") > 0
+    assert moved("generation_tokens_total") == sum(o["usage"]["completion_tokens"] for o in outs) == 33
+    assert after["specdecode:kv_cache_usage_perc"] == 0  # nothing runs any more
+
+
+def test_kv_use_is_the_share_of_positions_the_running_sequences_hold(server, monkeypatch):
+    gate = StepGate(server.engine, monkeypatch)
+    answers = []
+    request = threading.Thread(target=lambda: answers.append(complete(server, "import os\nimport sys", 6)))
+    request.start()
+    try:
+        assert gate.entered.wait(WAIT)  # prefilled: the prompt and the first token are in the cache
+        held = exposition(server.url)["specdecode:kv_cache_usage_perc"]
+    finally:
+        gate.opened.set()
+        request.join(WAIT)
+    positions = server.llm.max_num_seqs * server.llm.max_model_len
+    assert held == (answers[0]["usage"]["prompt_tokens"] + 1) / positions
+    assert server.engine.wait_idle(WAIT)
+    assert exposition(server.url)["specdecode:kv_cache_usage_perc"] == 0
+
+
+def test_every_metric_is_documented():
+    """docs/metrics.md names each metric as /metrics writes it (counters with _total), and no other."""
+    documented = set(re.findall(r"`(specdecode:[a-z0-9_]+)`", DOCS.read_text()))
+    exposed = {f.name + ("_total" if f.type == "counter" else "") for f in EngineMetrics().registry.collect()}
+    assert exposed - documented == set(), "document these in docs/metrics.md"
+    assert documented - exposed == set(), "docs/metrics.md names metrics that do not exist"
