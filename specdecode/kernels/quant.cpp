@@ -11,7 +11,8 @@
 // llama.cpp rounds activations to int8 instead (d = max|x| / 127, one vpmaddubsw): 256 times coarser, which on
 // SmolLM2 moves logits by ~3% and changes greedy answers against the dequantised model (its Q4_1 answer to
 // "What is the capital of France?" is not Paris); with int16 the product is the dequantised model's to ~1e-5,
-// for ~1/3 more arithmetic per row and the same weight bytes.
+// for ~1/3 more arithmetic per row and the same weight bytes (measured end to end on SmolLM2, AVX2: int8
+// activations decoded 0-14% faster; not worth the changed answers).
 //
 // Batch invariance: the number for (row m, output n) is computed by the same sequence of operations whatever
 // the number of rows M and however rows are tiled or threads split the outputs (each (m, n) has its own
@@ -24,6 +25,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#include <vector>
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -58,19 +61,23 @@ inline float half_to_float(uint16_t h) {
 #endif
 }
 
-// Rows of activations, quantized: q [M, K] int16, d [M, K/32] scales, s [M, K/32] = d * sum(q of the block).
+// Rows of activations, quantized: q [M, K] int16, d [M, K/32] scales, s [M, K/32] = d * sum(q of the
+// block).
 struct QuantRows {
   torch::Tensor q, d, s;
   int64_t rows, blocks;
 };
 
+template <typename A>
 QuantRows quantize_rows(const torch::Tensor& x) {
+  static_assert(std::is_same_v<A, int16_t>, "activations are int16");
+  constexpr float LEVELS = 32767.f;
   auto xf = x.to(torch::kFloat32).contiguous();
   const int64_t M = xf.size(0), K = xf.size(1), nb = K / QK;
-  QuantRows out{torch::empty({M, K}, torch::kInt16), torch::empty({M, nb}, torch::kFloat32),
-                torch::empty({M, nb}, torch::kFloat32), M, nb};
+  QuantRows out{torch::empty({M, K}, torch::kInt16),
+                torch::empty({M, nb}, torch::kFloat32), torch::empty({M, nb}, torch::kFloat32), M, nb};
   const float* src = xf.data_ptr<float>();
-  int16_t* q = out.q.data_ptr<int16_t>();
+  A* q = out.q.data_ptr<A>();
   float* d = out.d.data_ptr<float>();
   float* s = out.s.data_ptr<float>();
   at::parallel_for(0, M * nb, 256, [&](int64_t begin, int64_t end) {
@@ -78,12 +85,12 @@ QuantRows quantize_rows(const torch::Tensor& x) {
       const float* v = src + i * QK;  // rows are contiguous: block i of the flattened matrix
       float amax = 0.f;
       for (int j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(v[j]));
-      const float scale = amax / 32767.f;
+      const float scale = amax / LEVELS;
       const float inv = scale > 0.f ? 1.f / scale : 0.f;
       int sum = 0;
       for (int j = 0; j < QK; ++j) {
         const int value = static_cast<int>(std::nearbyint(v[j] * inv));
-        q[i * QK + j] = static_cast<int16_t>(value);
+        q[i * QK + j] = static_cast<A>(value);
         sum += value;
       }
       d[i] = scale;
@@ -95,10 +102,11 @@ QuantRows quantize_rows(const torch::Tensor& x) {
 
 // ---- the reference: one (row, output) dot product in plain C++ (also the kernel where AVX2 is absent) ----
 
-float dot_scalar(int64_t format, const uint8_t* w, const int16_t* xq, const float* xd, const float* xs, int64_t nb) {
+template <typename A>
+float dot_scalar(int64_t format, const uint8_t* w, const A* xq, const float* xd, const float* xs, int64_t nb) {
   float total = 0.f;
   for (int64_t b = 0; b < nb; ++b) {
-    const int16_t* x = xq + b * QK;
+    const A* x = xq + b * QK;
     int sum = 0;
     float block;
     if (format == Q8_0) {
@@ -133,6 +141,8 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(lo);
 }
 
+#define UNROLL _Pragma("GCC unroll 16")  // constant-bound loops over tiles: their accumulators stay in registers
+
 // 32 weights as int16 (lo: elements 0..15, hi: 16..31), from 32 bytes (signed or unsigned values).
 struct Wide { __m256i lo, hi; };
 
@@ -146,24 +156,49 @@ inline __m256i unpack_nibbles(const uint8_t* q) {
   return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
 }
 
-// One weight block as int16, with its scale (and Q4_1's offset).
-struct Unpacked {
-  Wide w;
-  float d, m;
-};
-
+// One weight block's 32 values as int16.
 template <int F>
-inline Unpacked unpack(const uint8_t* row, int64_t b) {
+inline Wide unpack(const uint8_t* row, int64_t b) {
   if constexpr (F == Q8_0) {
     const auto* blk = reinterpret_cast<const BlockQ8_0*>(row) + b;
-    return {widen_signed(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk->q))), half_to_float(blk->d), 0.f};
+    return widen_signed(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk->q)));
   } else if constexpr (F == Q4_0) {
     const auto* blk = reinterpret_cast<const BlockQ4_0*>(row) + b;
-    return {widen_signed(_mm256_sub_epi8(unpack_nibbles(blk->q), _mm256_set1_epi8(8))), half_to_float(blk->d), 0.f};
+    return widen_signed(_mm256_sub_epi8(unpack_nibbles(blk->q), _mm256_set1_epi8(8)));
   } else {
     const auto* blk = reinterpret_cast<const BlockQ4_1*>(row) + b;
-    return {widen_signed(unpack_nibbles(blk->q)), half_to_float(blk->d), half_to_float(blk->m)};  // 0..15: signed is fine
+    return widen_signed(unpack_nibbles(blk->q));  // 0..15: a signed widening is the same
   }
+}
+
+// The float scales (d) and offsets (m, Q4_1) of `rows` weight rows, row after row: nb values each.
+template <int F>
+void row_scales(const uint8_t* weight, int64_t row_bytes, int64_t rows, int64_t nb, float* d, float* m) {
+  for (int64_t j = 0; j < rows; ++j) {
+    const uint8_t* row = weight + j * row_bytes;
+    for (int64_t b = 0; b < nb; ++b) {
+      if constexpr (F == Q8_0) {
+        d[j * nb + b] = half_to_float((reinterpret_cast<const BlockQ8_0*>(row) + b)->d);
+      } else if constexpr (F == Q4_0) {
+        d[j * nb + b] = half_to_float((reinterpret_cast<const BlockQ4_0*>(row) + b)->d);
+      } else {
+        const auto* blk = reinterpret_cast<const BlockQ4_1*>(row) + b;
+        d[j * nb + b] = half_to_float(blk->d);
+        m[j * nb + b] = half_to_float(blk->m);
+      }
+    }
+  }
+}
+
+// Q4_1's offset term of one output, sum over blocks of m * (dx * sum of the block's activations): 8 blocks at a
+// time, then the tail (the same order for every output).
+inline float offset_dot(const float* m, const float* s, int64_t nb) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t b = 0;
+  for (; b + 8 <= nb; b += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(m + b), _mm256_loadu_ps(s + b), acc);
+  float total = hsum(acc);
+  for (; b < nb; ++b) total = std::fma(m[b], s[b], total);
+  return total;
 }
 
 // Integer dot product of a weight block with 32 int16 activations -> 8 int32 lanes (exact: |w| <= 127).
@@ -173,59 +208,68 @@ inline __m256i block_dot(const Wide& w, const int16_t* x) {
   return _mm256_add_epi32(_mm256_madd_epi16(w.lo, x0), _mm256_madd_epi16(w.hi, x1));
 }
 
-// The outputs of WR weight rows (w, w + row_bytes, ...) for R activation rows: out[r * out_stride + j].
-// Every (row, output) pair has its own accumulator and sees the same operations in the same order whatever WR
-// and R are: the tiles only decide what is loaded once and reused, never how a number is summed.
-template <int F, int WR, int R>
-void tile_avx2(const uint8_t* w, int64_t row_bytes, const int16_t* xq, const float* xd, const float* xs,
-               int64_t nb, int64_t K, float* out, int64_t out_stride) {
+// The outputs of WR weight rows (w, w + row_bytes, ...; their scales dw, offsets mw, nb each) for R activation
+// rows: out[r * out_stride + j]. Every (row, output) pair has its own accumulator and sees the same operations in
+// the same order whatever WR and R are: the tiles only decide what is loaded once and reused, never how a number
+// is summed.
+template <int F, typename A, int WR, int R>
+void tile_avx2(const uint8_t* w, int64_t row_bytes, const float* dw, const float* mw, const A* xq,
+               const float* xd, const float* xs, int64_t nb, int64_t K, float* out, int64_t out_stride) {
   __m256 acc[WR][R];
-  float offset[WR][R];
-  for (int j = 0; j < WR; ++j)
-    for (int r = 0; r < R; ++r) { acc[j][r] = _mm256_setzero_ps(); offset[j][r] = 0.f; }
+  UNROLL for (int j = 0; j < WR; ++j)
+    UNROLL for (int r = 0; r < R; ++r) acc[j][r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    Unpacked blocks[WR];
-    for (int j = 0; j < WR; ++j) blocks[j] = unpack<F>(w + j * row_bytes, b);
-    for (int r = 0; r < R; ++r) {
-      const int16_t* x = xq + r * K + b * QK;
+    Wide blocks[WR];
+    UNROLL for (int j = 0; j < WR; ++j) blocks[j] = unpack<F>(w + j * row_bytes, b);
+    UNROLL for (int r = 0; r < R; ++r) {
+      const A* x = xq + r * K + b * QK;
       const float dx = xd[r * nb + b];
-      for (int j = 0; j < WR; ++j) {
-        const __m256i p = block_dot(blocks[j].w, x);
-        acc[j][r] = _mm256_fmadd_ps(_mm256_set1_ps(blocks[j].d * dx), _mm256_cvtepi32_ps(p), acc[j][r]);
-        if constexpr (F == Q4_1) offset[j][r] += blocks[j].m * xs[r * nb + b];
+      UNROLL for (int j = 0; j < WR; ++j) {
+        const __m256i p = block_dot(blocks[j], x);
+        acc[j][r] = _mm256_fmadd_ps(_mm256_set1_ps(dw[j * nb + b] * dx), _mm256_cvtepi32_ps(p), acc[j][r]);
       }
     }
   }
-  for (int j = 0; j < WR; ++j)
-    for (int r = 0; r < R; ++r) out[r * out_stride + j] = hsum(acc[j][r]) + offset[j][r];
+  UNROLL for (int j = 0; j < WR; ++j)
+    UNROLL for (int r = 0; r < R; ++r) {
+      float value = hsum(acc[j][r]);
+      if constexpr (F == Q4_1) value += offset_dot(mw + j * nb, xs + r * nb, nb);
+      out[r * out_stride + j] = value;
+    }
 }
 
-// Weight rows [n_begin, n_end) against activation rows [m0, m0 + R): tiles of WR weight rows, then one at a time.
-template <int F, int WR, int R>
-void rows_avx2(const uint8_t* weight, int64_t row_bytes, const int16_t* q, const float* d, const float* s,
-               int64_t nb, int64_t K, float* out, int64_t N, int64_t n_begin, int64_t n_end) {
-  int64_t n = n_begin;
-  for (; n + WR <= n_end; n += WR) tile_avx2<F, WR, R>(weight + n * row_bytes, row_bytes, q, d, s, nb, K, out + n, N);
-  for (; n < n_end; ++n) tile_avx2<F, 1, R>(weight + n * row_bytes, row_bytes, q, d, s, nb, K, out + n, N);
+// Weight rows [0, rows) (their scales dw, offsets mw) against activation rows [m0, m0 + R): tiles of WR weight
+// rows, then one at a time.
+template <int F, typename A, int WR, int R>
+void rows_avx2(const uint8_t* weight, int64_t row_bytes, const float* dw, const float* mw, int64_t rows,
+               const A* q, const float* d, const float* s, int64_t nb, int64_t K, float* out, int64_t N) {
+  int64_t n = 0;
+  for (; n + WR <= rows; n += WR)
+    tile_avx2<F, A, WR, R>(weight + n * row_bytes, row_bytes, dw + n * nb, mw + n * nb, q, d, s, nb, K, out + n, N);
+  for (; n < rows; ++n)
+    tile_avx2<F, A, 1, R>(weight + n * row_bytes, row_bytes, dw + n * nb, mw + n * nb, q, d, s, nb, K, out + n, N);
 }
 
 #ifndef R1_WR
 #define R1_WR 2
 #endif
 
-template <int F>
-void range_avx2(const uint8_t* weight, int64_t row_bytes, const int16_t* q, const float* d, const float* s,
-                int64_t nb, int64_t K, int64_t rows, float* out, int64_t N, int64_t n0, int64_t n1) {
+template <int F, typename A>
+void range_avx2(const uint8_t* weight, int64_t row_bytes, const float* dw, const float* mw, int64_t n_rows,
+                const A* q, const float* d, const float* s, int64_t nb, int64_t K, int64_t rows, float* out,
+                int64_t N) {
+#define SPECDECODE_ROWS(WR, R) rows_avx2<F, A, WR, R>(weight, row_bytes, dw, mw, n_rows, q, d, s, nb, K, out, N)
   switch (rows) {  // weight rows per tile: as many as keep every accumulator in a register
-    case 8: rows_avx2<F, 1, 8>(weight, row_bytes, q, d, s, nb, K, out, N, n0, n1); break;
-    case 7: rows_avx2<F, 1, 7>(weight, row_bytes, q, d, s, nb, K, out, N, n0, n1); break;
-    case 6: rows_avx2<F, 1, 6>(weight, row_bytes, q, d, s, nb, K, out, N, n0, n1); break;
-    case 5: rows_avx2<F, 1, 5>(weight, row_bytes, q, d, s, nb, K, out, N, n0, n1); break;
-    case 4: rows_avx2<F, 1, 4>(weight, row_bytes, q, d, s, nb, K, out, N, n0, n1); break;
-    case 3: rows_avx2<F, 1, 3>(weight, row_bytes, q, d, s, nb, K, out, N, n0, n1); break;
-    case 2: rows_avx2<F, 2, 2>(weight, row_bytes, q, d, s, nb, K, out, N, n0, n1); break;
-    default: rows_avx2<F, R1_WR, 1>(weight, row_bytes, q, d, s, nb, K, out, N, n0, n1); break;
+    case 8: SPECDECODE_ROWS(1, 8); break;
+    case 7: SPECDECODE_ROWS(1, 7); break;
+    case 6: SPECDECODE_ROWS(1, 6); break;
+    case 5: SPECDECODE_ROWS(1, 5); break;
+    case 4: SPECDECODE_ROWS(2, 4); break;
+    case 3: SPECDECODE_ROWS(2, 3); break;
+    case 2: SPECDECODE_ROWS(2, 2); break;
+    default: SPECDECODE_ROWS(R1_WR, 1); break;
   }
+#undef SPECDECODE_ROWS
 }
 
 #endif  // __AVX2__
@@ -233,25 +277,36 @@ void range_avx2(const uint8_t* weight, int64_t row_bytes, const int16_t* q, cons
 constexpr int64_t ROW_TILE = 8;     // activation rows per pass over a weight row (their accumulators in registers)
 constexpr int64_t WEIGHT_TILE = 16;  // weight rows kept hot while every tile of activation rows passes over them
 
+template <typename A>
 void matmul_range(int64_t format, const uint8_t* weight, int64_t row_bytes, const QuantRows& x, int64_t K,
                   float* out, int64_t N, int64_t n_begin, int64_t n_end, bool use_simd) {
-  const int16_t* xq = x.q.data_ptr<int16_t>();
+  const A* xq = x.q.data_ptr<A>();
   const float* xd = x.d.data_ptr<float>();
   const float* xs = x.s.data_ptr<float>();
   const int64_t M = x.rows, nb = x.blocks;
+  std::vector<float> dw(WEIGHT_TILE * nb), mw(WEIGHT_TILE * nb);  // the chunk's scales, converted once
   for (int64_t n0 = n_begin; n0 < n_end; n0 += WEIGHT_TILE) {
     const int64_t n1 = std::min(n_end, n0 + WEIGHT_TILE);
+    const uint8_t* chunk = weight + n0 * row_bytes;
+#if defined(__AVX2__)
+    if (use_simd) {
+      if (format == Q8_0) row_scales<Q8_0>(chunk, row_bytes, n1 - n0, nb, dw.data(), mw.data());
+      else if (format == Q4_0) row_scales<Q4_0>(chunk, row_bytes, n1 - n0, nb, dw.data(), mw.data());
+      else row_scales<Q4_1>(chunk, row_bytes, n1 - n0, nb, dw.data(), mw.data());
+    }
+#endif
     for (int64_t m0 = 0; m0 < M; m0 += ROW_TILE) {
       const int64_t rows = std::min(ROW_TILE, M - m0);
-      const int16_t* q = xq + m0 * K;
+      const A* q = xq + m0 * K;
       const float* d = xd + m0 * nb;
       const float* s = xs + m0 * nb;
 #if defined(__AVX2__)
       if (use_simd) {
-        float* o = out + m0 * N;
-        if (format == Q8_0) range_avx2<Q8_0>(weight, row_bytes, q, d, s, nb, K, rows, o, N, n0, n1);
-        else if (format == Q4_0) range_avx2<Q4_0>(weight, row_bytes, q, d, s, nb, K, rows, o, N, n0, n1);
-        else range_avx2<Q4_1>(weight, row_bytes, q, d, s, nb, K, rows, o, N, n0, n1);
+        float* o = out + m0 * N + n0;
+        const float *dp = dw.data(), *mp = mw.data();
+        if (format == Q8_0) range_avx2<Q8_0, A>(chunk, row_bytes, dp, mp, n1 - n0, q, d, s, nb, K, rows, o, N);
+        else if (format == Q4_0) range_avx2<Q4_0, A>(chunk, row_bytes, dp, mp, n1 - n0, q, d, s, nb, K, rows, o, N);
+        else range_avx2<Q4_1, A>(chunk, row_bytes, dp, mp, n1 - n0, q, d, s, nb, K, rows, o, N);
         continue;
       }
 #endif
@@ -283,12 +338,12 @@ torch::Tensor qmatmul(const torch::Tensor& x, const torch::Tensor& weight, int64
   check_weight(weight, format, K);
   auto out = torch::empty({M, N}, torch::kFloat32);
   if (M == 0) return out;
-  const QuantRows quantized = quantize_rows(x);
+  const QuantRows quantized = quantize_rows<int16_t>(x);
   const uint8_t* w = weight.data_ptr<uint8_t>();
   float* o = out.data_ptr<float>();
   const int64_t row_bytes = weight.size(1);
   at::parallel_for(0, N, WEIGHT_TILE * 4, [&](int64_t begin, int64_t end) {
-    matmul_range(format, w, row_bytes, quantized, K, o, N, begin, end, use_simd);
+    matmul_range<int16_t>(format, w, row_bytes, quantized, K, o, N, begin, end, use_simd);
   });
   return out;
 }

@@ -1,4 +1,5 @@
-"""Greedy speculative decoding emits exactly the tokens of plain greedy decoding (float32)."""
+"""Greedy speculative decoding emits exactly the tokens of plain greedy decoding (float32 weights, and weights
+kept block-quantized: the quantized target is its own reference, model/quant.py)."""
 import random
 import re
 
@@ -27,10 +28,21 @@ PROMPTS = prompts(50)
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
+QUANTIZATIONS = ["none", "q4_1"]
+"""Target weights: float, or every matrix in Q4_1 (the default model's format) through the fused kernels."""
+
+
 @pytest.fixture(scope="module")
 def reference(tiny_models):
-    llm = LLM(str(tiny_models["target"]), dtype="float32", max_num_seqs=8)
-    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    from specdecode.model.quant import kernels
+
+    out = {}
+    for quantization in QUANTIZATIONS:
+        if quantization != "none" and kernels() is None:
+            continue
+        llm = LLM(str(tiny_models["target"]), dtype="float32", max_num_seqs=8, quantization=quantization)
+        out[quantization] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    return out
 
 
 SPEC_CONFIGS = {
@@ -42,16 +54,19 @@ SPEC_CONFIGS = {
 }
 
 
+@pytest.mark.parametrize("quantization", QUANTIZATIONS)
 @pytest.mark.parametrize("batch", [1, 8])
 @pytest.mark.parametrize("method", list(SPEC_CONFIGS))
-def test_greedy_speculation_is_exact(tiny_models, reference, method, batch):
+def test_greedy_speculation_is_exact(tiny_models, reference, method, batch, quantization):
+    if quantization not in reference:
+        pytest.skip("the quantized kernels cannot be compiled here")
     llm = LLM(str(tiny_models["target"]), dtype="float32", speculative_config=SPEC_CONFIGS[method](tiny_models),
-              max_num_seqs=batch)
+              max_num_seqs=batch, quantization=quantization)
     if batch == 1:
         outputs = [llm.generate(p, GREEDY)[0] for p in PROMPTS]
     else:
         outputs = llm.generate(PROMPTS, GREEDY)
-    for prompt, ref, out in zip(PROMPTS, reference, outputs):
+    for prompt, ref, out in zip(PROMPTS, reference[quantization], outputs):
         assert out.outputs[0].token_ids == ref, prompt
     stats = llm.total_stats
     # The comparison only means something if drafts were both accepted and rejected along the way.
