@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from specdecode.model.linear import PackedLinear
+from specdecode.model.quant import QuantEmbedding, QuantLinear
 from specdecode.model.llama import LlamaForCausalLM
 
 
@@ -35,19 +36,26 @@ def measure_read_bandwidth(bytes_: int = 512 * 2**20, repeats: int = 5, device: 
 
 def weight_bytes_per_step(model: LlamaForCausalLM) -> int:
     """Bytes of weights one decode step reads: every linear layer's weight in the form its kernel reads (an int8
-    copy one byte a weight), every other parameter, except that an untied input embedding contributes one row
-    (the lookup) rather than the whole table."""
+    copy one byte a weight, block-quantized matrices their blocks), every other parameter, except that an input
+    embedding contributes one row (the lookup) rather than the whole table - unless it is also the output head."""
     total, counted = 0, set()
     for module in model.modules():
         if isinstance(module, nn.Linear | PackedLinear):
             total += module.bytes_read() if isinstance(module, PackedLinear) else sum(
                 t.numel() * t.element_size() for t in (module.weight, module.bias) if t is not None)
             counted.update(id(t) for t in (module.weight, module.bias) if t is not None)
-    embedding = model.model.embed_tokens.weight
+        elif isinstance(module, QuantLinear):
+            total += module.bytes_read()
+            counted.update(id(t) for t in (module.qweight, module.bias) if t is not None)
+    embedding = model.model.embed_tokens
+    if isinstance(embedding, QuantEmbedding):
+        if id(embedding.qweight) not in counted:  # untied: the looked-up row
+            total += embedding.qweight.shape[1]
+        return total + sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in counted)
     for p in model.parameters():  # parameters() yields tied ones once
         if id(p) in counted:
             continue
-        total += embedding.shape[1] * p.element_size() if p is embedding else p.numel() * p.element_size()
+        total += embedding.weight.shape[1] * p.element_size() if p is embedding.weight else p.numel() * p.element_size()
     return total
 
 

@@ -22,6 +22,8 @@ from specdecode.engine.llm import LLM
 from specdecode.errors import ConfigError
 from specdecode.hardware import cpu_has_native_bf16, cpu_name
 from specdecode.model.linear import linear_backend, onednn_supports, prepare_for_inference
+from specdecode.model.quant import kernels as quant_kernels
+from specdecode.model.quant import quantized_format
 from specdecode.model.loading import DTYPES
 from specdecode.sampling import SamplingParams
 
@@ -48,9 +50,10 @@ def merge_intervals(intervals):
 ```"""
 """A request whose answer copies much of the prompt: where prompt lookup has something to find."""
 
-GOALS = {"plain_fp32_vs_hf_fp32": 1.6, "plain_bf16_vs_hf_fp32": 2.5, "roofline_share": 0.8, "verify_8": 1.4,
-         "batch_8": 4.0}
-"""The speed issue's goals (ratios; verify_8 is an upper bound, the rest lower bounds)."""
+GOALS = {"plain_fp32_vs_hf_fp32": 1.6, "plain_bf16_vs_hf_fp32": 2.5, "roofline_share": 0.75, "verify_8": 1.4,
+         "batch_8": 4.0, "plain_vs_llama_cpp_q8_0": 1.0, "plain_vs_llama_cpp_q4_1": 0.8,
+         "speculative_vs_llama_cpp_q4_1": 1.3}
+"""The speed issues' goals (ratios; verify_8 is an upper bound, the rest lower bounds)."""
 
 
 @dataclasses.dataclass
@@ -65,9 +68,10 @@ class SpeedConfig:
     """Interleaved rounds of generation; the fastest run of each configuration counts."""
     dtypes: tuple[str, ...] = ("float32", "bfloat16")
     """Weight dtypes to time (bfloat16 is skipped where the CPU has no native bfloat16)."""
-    backends: tuple[str, ...] = ("onednn", "plain", "int8")
-    """Linear backends (model/linear.py), "int8" meaning weight-only int8 (reduced-precision dtypes only); one
-    this machine lacks is skipped."""
+    backends: tuple[str, ...] = ("gguf", "onednn", "plain", "int8")
+    """Linear backends: "gguf" the GGUF's matrices kept quantized (model/quant.py, float32 activations; the
+    default for a GGUF on CPU), else float weights through model/linear.py's backends, "int8" meaning weight-only
+    int8 (reduced-precision dtypes only); one this machine or model lacks is skipped."""
     max_verify: int = 16
     """Passes over K = 1..max_verify new tokens are timed."""
     batch: int = 8
@@ -128,6 +132,9 @@ def configurations(config: SpeedConfig) -> list[tuple[str, str]]:
                 continue
             if backend == "int8" and dtype == "float32":
                 continue  # int8 needs reduced-precision activations (see model/linear.py)
+            if backend == "gguf" and (dtype != "float32" or device.type != "cpu" or Path(config.model).suffix != ".gguf"
+                                      or quant_kernels() is None):
+                continue  # the quantized kernels: a GGUF's matrices, float32 activations, on CPU
             pairs.append((dtype, backend))
     return pairs
 
@@ -200,11 +207,14 @@ def time_batches(llm: LLM, prompts: list[list[int]], tokens: int, rounds: int, n
 
 
 def build(config: SpeedConfig, dtype: str, backend: str, speculative_config: dict | None = None) -> LLM:
-    """An engine with this dtype and linear backend ("int8": weight-only int8)."""
+    """An engine with this dtype and linear backend ("int8": weight-only int8; "gguf": the quantized kernels;
+    "auto" with dtype "auto": the engine's defaults)."""
+    quantization = "gguf" if backend == "gguf" else "auto" if backend == "auto" else "none"
     llm = LLM(config.model, dtype=dtype, device=config.device, max_num_seqs=max(1, config.batch),
-              speculative_config=speculative_config)
-    int8 = backend == "int8"
-    prepare_for_inference(llm.target, "auto" if int8 else backend, quantization="int8" if int8 else None)
+              speculative_config=speculative_config, quantization=quantization)
+    if backend in ("onednn", "plain", "int8"):
+        int8 = backend == "int8"
+        prepare_for_inference(llm.target, "auto" if int8 else backend, quantization="int8" if int8 else None)
     return llm
 
 
@@ -215,7 +225,8 @@ def time_speculation(config: SpeedConfig, plain: dict[str, LLM], now) -> dict:
     engines = {}
     for name, llm in plain.items():
         dtype = str(llm.target.dtype).removeprefix("torch.")
-        ngram = build(config, dtype, linear_backend(llm.target), spec_config)
+        backend = "gguf" if quantized_format(llm.target) else linear_backend(llm.target)
+        ngram = build(config, dtype, backend, spec_config)
         for mode, engine in (("plain", llm), ("ngram", ngram)):
             run = (lambda engine: lambda ids, n: trace_generate(engine, ids, SamplingParams(
                 temperature=0, max_tokens=n, ignore_eos=True)))(engine)
@@ -254,7 +265,7 @@ def time_vs_llama_cpp(config: SpeedConfig, log=print) -> dict:
     tokenizer = ours["plain"].tokenizer
     dtype = str(ours["plain"].target.dtype).removeprefix("torch.")
     kept = getattr(ours["plain"], "quantization", None)  # an engine with quantized kernels says which ones it runs
-    our_format = (f"{peer.weights_format(gguf) if kept == 'gguf' else kept} kernels, {dtype} activations" if kept
+    our_format = (f"{peer.weights_format(gguf) if kept == 'gguf' else kept} kernels, {dtype}" if kept
                   else label(dtype, linear_backend(ours["plain"].target)))
     q8 = peer.requantize(gguf, "Q8_0", cache_dir() / "llama_cpp")
     if q8 is None:
@@ -351,7 +362,7 @@ def run_speed(config: SpeedConfig, log=print) -> dict:
     context = len(ids) + config.tokens / 2  # mean context over the decode steps
     for name, llm in llms.items():
         row = decode[name]
-        row["backend"] = linear_backend(llm.target)
+        row["backend"] = quantized_format(llm.target) or linear_backend(llm.target)
         row["dtype"] = str(llm.target.dtype).removeprefix("torch.")
         row["bytes_per_step"] = weight_bytes_per_step(llm.target) + kv_bytes_per_step(llm.target, context)
         row["ceiling_tokens_per_s"] = bandwidth / row["bytes_per_step"]
@@ -378,7 +389,8 @@ def run_speed(config: SpeedConfig, log=print) -> dict:
     speculation = {}
     if config.speculation:
         # The engines of the default dtype with a fast backend (the others are dropped first: memory).
-        default = "bfloat16" if any(p[0] == "bfloat16" for p in pairs) else pairs[0][0]
+        default = "bfloat16" if any(p[0] == "bfloat16" for p in pairs) and not any(
+            b == "gguf" for _, b in pairs) else pairs[0][0]
         keep = {label(d, b) for d, b in pairs if d == default and (b != "plain" or len(pairs) == 1)}
         plain = {name: llm for name, llm in llms.items() if name in keep}
         del engines, llms, first
@@ -397,12 +409,28 @@ def run_speed(config: SpeedConfig, log=print) -> dict:
                                              "llama_cpp": config.llama_cpp and str(config.llama_cpp)},
             "prompt_tokens": len(ids), "bandwidth_gb_s": bandwidth / 1e9, "decode": decode, "verify": verify,
             "batch": batch, "speculation": speculation, "vs_llama_cpp": vs_llama_cpp,
-            "goals": goals(decode, verify, batch)}
+            "goals": goals(decode, verify, batch, vs_llama_cpp)}
 
 
-def goals(decode: dict, verify: dict, batch: dict) -> list[dict]:
-    """The issue's goals, each with the configuration measured, the figure and whether it is met."""
+def goals(decode: dict, verify: dict, batch: dict, vs_llama_cpp: dict | None = None) -> list[dict]:
+    """The issues' goals, each with the configuration measured, the figure and whether it is met."""
     out = []
+    rows = {(r["engine"], r["mode"], r["format"]): r for r in (vs_llama_cpp or {}).get("rows", [])}
+    if rows:
+        def median(engine, mode, fmt=None):
+            return next((r["decode_tokens_per_s"] for (e, m, f), r in rows.items()
+                         if e == engine and m == mode and (fmt is None or fmt in f)), None)
+
+        q41, q80 = median("llama.cpp", "plain", "Q4_1"), median("llama.cpp", "plain", "Q8_0")
+        plain = median("specdecode", "plain")
+        spec = next((r["decode_tokens_per_s"] for (e, m, _), r in rows.items() if e == "specdecode" and m != "plain"),
+                    None)
+        for key, ours, theirs, name in (("plain_vs_llama_cpp_q8_0", plain, q80, "specdecode plain"),
+                                        ("plain_vs_llama_cpp_q4_1", plain, q41, "specdecode plain"),
+                                        ("speculative_vs_llama_cpp_q4_1", spec, q41, "specdecode speculative")):
+            if ours and theirs:
+                value = ours / theirs  # (medians over prompts: the per-prompt ratios are in the llama.cpp table)
+                out.append(dict(goal=key, config=name, value=value, target=GOALS[key], met=value >= GOALS[key]))
     hf = decode.get("transformers float32")
     ours = {n: r for n, r in decode.items() if "backend" in r}
     for dtype, key in (("float32", "plain_fp32_vs_hf_fp32"), ("bfloat16", "plain_bf16_vs_hf_fp32")):

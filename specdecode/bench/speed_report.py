@@ -13,7 +13,10 @@ GOAL_NAMES = {"plain_fp32_vs_hf_fp32": "plain float32 / transformers float32 (to
               "plain_bf16_vs_hf_fp32": "plain bfloat16 / transformers float32 (tokens/s)",
               "roofline_share": "plain decode share of the memory roofline",
               "verify_8": "pass over 8 tokens / pass over 1 (upper bound)",
-              "batch_8": "batch-8 plain throughput / batch 1"}
+              "batch_8": "batch-8 plain throughput / batch 1",
+              "plain_vs_llama_cpp_q8_0": "plain / llama.cpp plain Q8_0 (median decode tokens/s)",
+              "plain_vs_llama_cpp_q4_1": "plain / llama.cpp plain Q4_1 (median decode tokens/s)",
+              "speculative_vs_llama_cpp_q4_1": "default speculation / llama.cpp plain Q4_1 (median decode tokens/s)"}
 
 
 CLOCK_NAMES = {"wall": "wall clock", "cpu": "CPU time of the one thread that runs everything (time.thread_time: "
@@ -107,15 +110,16 @@ def llama_cpp_table(results: dict) -> str:
              "Decode tokens/s = tokens after the first / seconds after the first token (llama.cpp: its eval and "
              "sampling time; llama-lookup: its decode time); ratios are per prompt, to "
              f"`{peer['reference']}`; llama.cpp lookup drafts at most {peer['draft']} tokens, ours is "
-             f"`{peer['spec_config']}`. *Same text*: prompts whose greedy text starts like the reference's (over "
-             "the shorter).", "",
+             f"`{peer['spec_config']}`. *Same text*: prompts whose greedy text is the reference's (over the shorter), "
+             "and the median number of leading characters the two share.", "",
              f"| engine | mode | format | decode tokens/s (median) | vs {peer['reference']} (median) | range | "
              "prompt tokens/s (median) | acceptance | same text |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in peer["rows"]:
         acceptance = "-" if r["acceptance"] is None else f"{100 * r['acceptance']:.0f}%"
         lines.append(f"| {r['engine']} | {r['mode']} | {r['format']} | {r['decode_tokens_per_s']:.1f} | "
                      f"{r['ratio_median']:.2f}x | {r['ratio_min']:.2f}-{r['ratio_max']:.2f}x | "
-                     f"{r['prompt_tokens_per_s']:.0f} | {acceptance} | {r['same_text']}/{r['prompts']} |")
+                     f"{r['prompt_tokens_per_s']:.0f} | {acceptance} | {r['same_text']}/{r['prompts']} "
+                     f"({r['shared_chars']:.0f} chars) |")
     names = [r["name"] for r in peer["rows"]]
     by_prompt: dict[str, dict] = {}
     for run in peer["runs"]:

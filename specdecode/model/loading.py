@@ -170,8 +170,10 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
     parallelism keeps one rank's share there, see dist/tp.py)."""
     model_dir = Path(model_dir)
     device = resolve_device(device)
-    dtype = resolve_dtype(dtype, device)
     check_quantization(quantization, model_dir, device)
+    # Quantized matrices read the same bytes whatever the activations are: "auto" takes float32 for them (the fused
+    # layer's dtype, batch-invariant), bfloat16 would only round the activations.
+    dtype = torch.float32 if quantization in KEPT_QUANTIZATIONS and dtype == "auto" else resolve_dtype(dtype, device)
     if quantization == "gguf":
         config, state, described_by = read_quantized_gguf(find_gguf(model_dir), dtype)
     else:
