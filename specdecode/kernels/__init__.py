@@ -1,11 +1,11 @@
 """specdecode's own CPU kernels (C++), compiled for this machine on first use, as llama.cpp is (-march=native).
 
 `quant()` returns the compiled module of quant.cpp (matrix products with block-quantized weights) and layer.cpp
-(a whole decoder layer per call), or None where
-it cannot be built (no C++ compiler, not an x86/ARM CPU build of torch, ...): callers then keep dequantized
-weights, which is correct and slower. The build lands in the cache (~/.cache/specdecode/kernels, or
-$SPECDECODE_KERNELS_DIR), keyed by the source, the torch version and this CPU's instruction sets, so it happens
-once per machine (~30-60 s) and later processes load it in milliseconds.
+(a whole decoder layer per call), or None where it cannot be built (no C++ compiler, no ninja, a failed build):
+callers then keep dequantized weights, which is correct and slower. The build lands in the cache
+(~/.cache/specdecode/kernels, or $SPECDECODE_KERNELS_DIR), keyed by the sources, the torch and Python versions and
+this CPU's instruction sets, so it happens once per machine (60-80 s on a 2-core AMD EPYC) and later processes load
+it in milliseconds.
 """
 from __future__ import annotations
 
@@ -45,8 +45,9 @@ def _cpu_flags() -> str:
 def build_key() -> str:
     import torch
     digest = hashlib.sha256()
-    for part in (*(path.read_bytes() for path in SOURCES), torch.__version__.encode(), _cpu_flags().encode(), " ".join(FLAGS).encode(),
-                 sys.version.encode()):
+    parts = [path.read_bytes() for path in SOURCES]
+    parts += [torch.__version__.encode(), _cpu_flags().encode(), " ".join(FLAGS).encode(), sys.version.encode()]
+    for part in parts:
         digest.update(part)
     return digest.hexdigest()[:16]
 
@@ -70,11 +71,12 @@ def quant():
             pass
     from torch.utils import cpp_extension
 
-    print("specdecode: compiling the quantized CPU kernels for this machine (once, ~30-60 s) ...",
+    print("specdecode: compiling the quantized CPU kernels for this machine (once, about a minute) ...",
           file=sys.stderr, flush=True)
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        return cpp_extension.load(name=name, sources=[str(path) for path in SOURCES if path.suffix == ".cpp"], extra_cflags=FLAGS, build_directory=str(folder),
+        sources = [str(path) for path in SOURCES if path.suffix == ".cpp"]
+        return cpp_extension.load(name=name, sources=sources, extra_cflags=FLAGS, build_directory=str(folder),
                                   verbose=False)
     except (OSError, RuntimeError, ImportError, SystemExit) as error:  # no compiler, no ninja, a failed build
         lines = str(error).strip().splitlines()
