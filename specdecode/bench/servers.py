@@ -100,13 +100,7 @@ class ManagedServer:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        terminate(self.process)
 
     def __enter__(self) -> "ManagedServer":
         return self
@@ -133,6 +127,17 @@ def start_server(args: list[str], port: int | None = None, timeout: float = 600)
         time.sleep(0.5)
     stop_server(proc)
     raise RuntimeError(f"the server did not answer within {timeout:g} s")
+
+
+def terminate(process: subprocess.Popen, timeout: float = 15) -> None:
+    """SIGTERM a child process, SIGKILL it if it has not ended within `timeout` seconds, and reap it."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def stop_server(proc: subprocess.Popen) -> None:

@@ -25,7 +25,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from specdecode.bench.servers import free_port, start_server, stop_server
+from specdecode.bench.servers import free_port, start_server, stop_server, terminate
 
 from .test_dashboard import exposition
 
@@ -179,13 +179,7 @@ class Prometheus:
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        terminate(self.process)
 
     def _answers(self, path: str) -> bool:
         try:
