@@ -73,6 +73,9 @@ def quant():
 
     print("specdecode: compiling the quantized CPU kernels for this machine (once, about a minute) ...",
           file=sys.stderr, flush=True)
+    saved_path = os.environ.get("PATH", "")
+    # ninja comes with the package (a dependency) into this interpreter's bin folder, which need not be on PATH
+    os.environ["PATH"] = os.pathsep.join((str(Path(sys.executable).parent), saved_path))
     try:
         folder.mkdir(parents=True, exist_ok=True)
         sources = [str(path) for path in SOURCES if path.suffix == ".cpp"]
@@ -82,6 +85,8 @@ def quant():
         lines = str(error).strip().splitlines()
         _failure = f"{type(error).__name__}: {lines[-1] if lines else 'no message'}"
         return None
+    finally:
+        os.environ["PATH"] = saved_path
 
 
 def failure() -> str | None:

@@ -146,3 +146,19 @@ def test_quantization_errors(tiny_models):
         load_model(tiny_models["target"], quantization="gguf")
     with pytest.raises(ConfigError, match="not supported; use one of"):
         load_model(tiny_models["target"], quantization="q3_x")
+
+
+def test_without_the_kernels_auto_falls_back_to_float_weights(tiny_gguf, monkeypatch, capsys):
+    """Where the kernels cannot be built, 'auto' says so in one line and loads float weights; asking for a kept
+    quantization explicitly is refused in one line that names what to install or pass."""
+    from specdecode import kernels as compiled
+    from specdecode.model import quant
+    from specdecode.model.loading import resolve_quantization
+
+    path, _ = tiny_gguf
+    monkeypatch.setattr(quant, "kernels", lambda: None)
+    monkeypatch.setattr(compiled, "failure", lambda: "RuntimeError: Ninja is required to load C++ extensions")
+    assert resolve_quantization("auto", path, torch.device("cpu")) is None
+    assert "could not be built (RuntimeError: Ninja is required" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="install a C\\+\\+ compiler .* or load the model without quantization"):
+        load_model(path, dtype="float32", quantization="gguf")
