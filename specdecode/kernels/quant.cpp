@@ -25,7 +25,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__)
@@ -68,16 +67,14 @@ struct QuantRows {
   int64_t rows, blocks;
 };
 
-template <typename A>
 QuantRows quantize_rows(const torch::Tensor& x) {
-  static_assert(std::is_same_v<A, int16_t>, "activations are int16");
   constexpr float LEVELS = 32767.f;
   auto xf = x.to(torch::kFloat32).contiguous();
   const int64_t M = xf.size(0), K = xf.size(1), nb = K / QK;
   QuantRows out{torch::empty({M, K}, torch::kInt16),
                 torch::empty({M, nb}, torch::kFloat32), torch::empty({M, nb}, torch::kFloat32), M, nb};
   const float* src = xf.data_ptr<float>();
-  A* q = out.q.data_ptr<A>();
+  int16_t* q = out.q.data_ptr<int16_t>();
   float* d = out.d.data_ptr<float>();
   float* s = out.s.data_ptr<float>();
   at::parallel_for(0, M * nb, 256, [&](int64_t begin, int64_t end) {
@@ -90,7 +87,7 @@ QuantRows quantize_rows(const torch::Tensor& x) {
       int sum = 0;
       for (int j = 0; j < QK; ++j) {
         const int value = static_cast<int>(std::nearbyint(v[j] * inv));
-        q[i * QK + j] = static_cast<A>(value);
+        q[i * QK + j] = static_cast<int16_t>(value);
         sum += value;
       }
       d[i] = scale;
@@ -102,11 +99,10 @@ QuantRows quantize_rows(const torch::Tensor& x) {
 
 // ---- the reference: one (row, output) dot product in plain C++ (also the kernel where AVX2 is absent) ----
 
-template <typename A>
-float dot_scalar(int64_t format, const uint8_t* w, const A* xq, const float* xd, const float* xs, int64_t nb) {
+float dot_scalar(int64_t format, const uint8_t* w, const int16_t* xq, const float* xd, const float* xs, int64_t nb) {
   float total = 0.f;
   for (int64_t b = 0; b < nb; ++b) {
-    const A* x = xq + b * QK;
+    const int16_t* x = xq + b * QK;
     int sum = 0;
     float block;
     if (format == Q8_0) {
@@ -213,8 +209,8 @@ inline __m256i block_dot(const Wide& w, const int16_t* x) {
 // rows: out[r * out_stride + j]. Every (row, output) pair has its own accumulator and sees the same operations in
 // the same order whatever WR and R are: the tiles only decide what is loaded once and reused, never how a number
 // is summed.
-template <int F, typename A, int WR, int R>
-void tile_avx2(const uint8_t* w, int64_t row_bytes, const float* dw, const float* mw, const A* xq,
+template <int F, int WR, int R>
+void tile_avx2(const uint8_t* w, int64_t row_bytes, const float* dw, const float* mw, const int16_t* xq,
                const float* xd, const float* xs, int64_t nb, int64_t K, float* out, int64_t out_stride) {
   __m256 acc[WR][R];
   UNROLL for (int j = 0; j < WR; ++j)
@@ -223,7 +219,7 @@ void tile_avx2(const uint8_t* w, int64_t row_bytes, const float* dw, const float
     Wide blocks[WR];
     UNROLL for (int j = 0; j < WR; ++j) blocks[j] = unpack<F>(w + j * row_bytes, b);
     UNROLL for (int r = 0; r < R; ++r) {
-      const A* x = xq + r * K + b * QK;
+      const int16_t* x = xq + r * K + b * QK;
       const float dx = xd[r * nb + b];
       UNROLL for (int j = 0; j < WR; ++j) {
         const __m256i p = block_dot(blocks[j], x);
@@ -241,25 +237,25 @@ void tile_avx2(const uint8_t* w, int64_t row_bytes, const float* dw, const float
 
 // Weight rows [0, rows) (their scales dw, offsets mw) against activation rows [m0, m0 + R): tiles of WR weight
 // rows, then one at a time.
-template <int F, typename A, int WR, int R>
+template <int F, int WR, int R>
 void rows_avx2(const uint8_t* weight, int64_t row_bytes, const float* dw, const float* mw, int64_t rows,
-               const A* q, const float* d, const float* s, int64_t nb, int64_t K, float* out, int64_t N) {
+               const int16_t* q, const float* d, const float* s, int64_t nb, int64_t K, float* out, int64_t N) {
   int64_t n = 0;
   for (; n + WR <= rows; n += WR)
-    tile_avx2<F, A, WR, R>(weight + n * row_bytes, row_bytes, dw + n * nb, mw + n * nb, q, d, s, nb, K, out + n, N);
+    tile_avx2<F, WR, R>(weight + n * row_bytes, row_bytes, dw + n * nb, mw + n * nb, q, d, s, nb, K, out + n, N);
   for (; n < rows; ++n)
-    tile_avx2<F, A, 1, R>(weight + n * row_bytes, row_bytes, dw + n * nb, mw + n * nb, q, d, s, nb, K, out + n, N);
+    tile_avx2<F, 1, R>(weight + n * row_bytes, row_bytes, dw + n * nb, mw + n * nb, q, d, s, nb, K, out + n, N);
 }
 
 #ifndef R1_WR
 #define R1_WR 2
 #endif
 
-template <int F, typename A>
+template <int F>
 void range_avx2(const uint8_t* weight, int64_t row_bytes, const float* dw, const float* mw, int64_t n_rows,
-                const A* q, const float* d, const float* s, int64_t nb, int64_t K, int64_t rows, float* out,
+                const int16_t* q, const float* d, const float* s, int64_t nb, int64_t K, int64_t rows, float* out,
                 int64_t N) {
-#define SPECDECODE_ROWS(WR, R) rows_avx2<F, A, WR, R>(weight, row_bytes, dw, mw, n_rows, q, d, s, nb, K, out, N)
+#define SPECDECODE_ROWS(WR, R) rows_avx2<F, WR, R>(weight, row_bytes, dw, mw, n_rows, q, d, s, nb, K, out, N)
   switch (rows) {  // weight rows per tile: as many as keep every accumulator in a register
     case 8: SPECDECODE_ROWS(1, 8); break;
     case 7: SPECDECODE_ROWS(1, 7); break;
@@ -278,10 +274,9 @@ void range_avx2(const uint8_t* weight, int64_t row_bytes, const float* dw, const
 constexpr int64_t ROW_TILE = 8;     // activation rows per pass over a weight row (their accumulators in registers)
 constexpr int64_t WEIGHT_TILE = 16;  // weight rows kept hot while every tile of activation rows passes over them
 
-template <typename A>
 void matmul_range(int64_t format, const uint8_t* weight, int64_t row_bytes, const QuantRows& x, int64_t K,
                   float* out, int64_t N, int64_t n_begin, int64_t n_end, bool use_simd) {
-  const A* xq = x.q.data_ptr<A>();
+  const int16_t* xq = x.q.data_ptr<int16_t>();
   const float* xd = x.d.data_ptr<float>();
   const float* xs = x.s.data_ptr<float>();
   const int64_t M = x.rows, nb = x.blocks;
@@ -298,16 +293,16 @@ void matmul_range(int64_t format, const uint8_t* weight, int64_t row_bytes, cons
 #endif
     for (int64_t m0 = 0; m0 < M; m0 += ROW_TILE) {
       const int64_t rows = std::min(ROW_TILE, M - m0);
-      const A* q = xq + m0 * K;
+      const int16_t* q = xq + m0 * K;
       const float* d = xd + m0 * nb;
       const float* s = xs + m0 * nb;
 #if defined(__AVX2__)
       if (use_simd) {
         float* o = out + m0 * N + n0;
         const float *dp = dw.data(), *mp = mw.data();
-        if (format == Q8_0) range_avx2<Q8_0, A>(chunk, row_bytes, dp, mp, n1 - n0, q, d, s, nb, K, rows, o, N);
-        else if (format == Q4_0) range_avx2<Q4_0, A>(chunk, row_bytes, dp, mp, n1 - n0, q, d, s, nb, K, rows, o, N);
-        else range_avx2<Q4_1, A>(chunk, row_bytes, dp, mp, n1 - n0, q, d, s, nb, K, rows, o, N);
+        if (format == Q8_0) range_avx2<Q8_0>(chunk, row_bytes, dp, mp, n1 - n0, q, d, s, nb, K, rows, o, N);
+        else if (format == Q4_0) range_avx2<Q4_0>(chunk, row_bytes, dp, mp, n1 - n0, q, d, s, nb, K, rows, o, N);
+        else range_avx2<Q4_1>(chunk, row_bytes, dp, mp, n1 - n0, q, d, s, nb, K, rows, o, N);
         continue;
       }
 #endif
@@ -339,12 +334,12 @@ torch::Tensor qmatmul(const torch::Tensor& x, const torch::Tensor& weight, int64
   check_weight(weight, format, K);
   auto out = torch::empty({M, N}, torch::kFloat32);
   if (M == 0) return out;
-  const QuantRows quantized = quantize_rows<int16_t>(x);
+  const QuantRows quantized = quantize_rows(x);
   const uint8_t* w = weight.data_ptr<uint8_t>();
   float* o = out.data_ptr<float>();
   const int64_t row_bytes = weight.size(1);
   at::parallel_for(0, N, WEIGHT_TILE * 4, [&](int64_t begin, int64_t end) {
-    matmul_range<int16_t>(format, w, row_bytes, quantized, K, o, N, begin, end, use_simd);
+    matmul_range(format, w, row_bytes, quantized, K, o, N, begin, end, use_simd);
   });
   return out;
 }

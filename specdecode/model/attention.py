@@ -62,7 +62,7 @@ class CacheContext:
         lengths = cache.lengths[slots]  # [B], host
         self.lengths = lengths  # [B] committed lengths (host), for the fused layers (kernels/layer.cpp)
         self.slot_ids = slots  # [B] (host)
-        self.pending, self.new_tokens, self.tree_mask = pending, new_tokens, tree_mask
+        self.pending, self.tree_mask = pending, tree_mask
         length_list = lengths.tolist()
         fresh = pending + new_tokens  # positions after the committed prefix this forward can see
         self.context_len = max(length_list) + fresh

@@ -173,7 +173,7 @@ class LlamaForCausalLM(nn.Module):
         return torch.float32 if self.device.type == "cpu" else self.dtype
 
     def fused_layers(self, cache: KVCache):
-        """(per-layer kernel arguments, heads, kv heads) for cached forwards through kernels/layer.cpp - every
+        """(the kernel, per-layer arguments, heads, kv heads) for cached forwards through kernels/layer.cpp - every
         layer block-quantized, float32 on CPU with a float32 cache, no q/k norm - or None: the layers then run as
         modules. The arguments are gathered once (the weights of an inference model do not change)."""
         if cache.k[0].dtype != torch.float32 or not cache.k[0].is_contiguous():
@@ -189,7 +189,6 @@ class LlamaForCausalLM(nn.Module):
                 isinstance(m, QuantLinear) for layer in layers
                 for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                           layer.mlp.down_proj)) and not any(layer.self_attn.q_norm for layer in layers):
-            self.kernel_step = module.layer_step
             args = []
             for layer in layers:
                 attn, mlp = layer.self_attn, layer.mlp
@@ -198,7 +197,7 @@ class LlamaForCausalLM(nn.Module):
                              attn.qkv_proj.bias, attn.o_proj.qweight, attn.o_proj.format_id,
                              mlp.gate_up_proj.qweight, mlp.gate_up_proj.format_id, mlp.down_proj.qweight,
                              mlp.down_proj.format_id))
-            prepared = (args, layers[0].self_attn.num_heads, layers[0].self_attn.num_kv_heads)
+            prepared = (module.layer_step, args, layers[0].self_attn.num_heads, layers[0].self_attn.num_kv_heads)
         self.__dict__["_fused_layers"] = prepared
         return prepared
 
@@ -247,9 +246,9 @@ class LlamaForCausalLM(nn.Module):
             x = x.float().clone() if inputs_embeds is not None or x.dtype != torch.float32 else x.contiguous()
             cos, sin = cos.reshape(B * T, -1).float().contiguous(), sin.reshape(B * T, -1).float().contiguous()
             visible = None if ctx.tree_mask is None else ctx.tree_mask.cpu()
-            args, heads, kv_heads = fused
+            step, args, heads, kv_heads = fused
             for i, (layer_args, k, v) in enumerate(zip(args, cache.k, cache.v)):
-                self.kernel_step(x, *layer_args, cos, sin, k, v, ctx.slot_ids, ctx.lengths, ctx.pending, visible,
+                step(x, *layer_args, cos, sin, k, v, ctx.slot_ids, ctx.lengths, ctx.pending, visible,
                                  heads, kv_heads, T)
                 if i in hidden_layers:
                     layer_hidden[i] = x.view(B, T, -1).clone()
