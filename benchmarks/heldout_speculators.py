@@ -58,6 +58,8 @@ def main() -> None:
     parser.add_argument("--adaptive", action="store_true", help="adaptive speculation (default: fixed K)")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--sampler", choices=("race", "rejection"), default="race",
+                        help="SamplingParams.sampler: how sampled requests are drawn and verified")
     parser.add_argument("--out", type=Path, default=Path("bench_results/heldout_speculators.json"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -72,7 +74,7 @@ def main() -> None:
         config["adaptive"] = args.adaptive
         engines[label] = LLM(args.model, dtype=args.dtype, speculative_config=config, **sizes)
     prompts = heldout_prompts(engines["plain"].tokenizer, args.prompts, args.max_prompt_tokens)
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=0)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=0, sampler=args.sampler)
     totals = {name: {"seconds": 0.0, "tokens": 0, "steps": 0, "draft_tokens": 0, "accepted": 0,
                      "same_as_plain": 0} for name in engines}
     for llm in engines.values():  # warm-up: first-call costs stay out of the timings

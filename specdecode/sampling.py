@@ -13,6 +13,8 @@ import torch
 
 from specdecode.errors import ConfigError
 
+SAMPLERS = ("race", "rejection")
+"""SamplingParams.sampler's choices."""
 MIN_TEMPERATURE = 1e-5
 """Temperatures below this are greedy: logits / 1e-40 overflow to inf and softmax would give NaN."""
 MAX_TOP_K = 2**31 - 1
@@ -39,16 +41,22 @@ class SamplingParams:
     """Strings that end generation; the stop string itself is not returned, and token_ids end at the token that
     completed it. While streaming, the last len(longest stop) - 1 characters wait until they cannot begin one."""
     seed: int | None = None
-    """Seed of this request's random numbers (None: a fresh one). The same seed gives the same output alone or in
-    any batch (same model, dtype and machine; up to float rounding in batched matrix products) with plain decoding
-    (no speculator, or use_speculation=False) and with speculation at a fixed K ({"adaptive": False} and no
-    disable_by_batch_size). Adaptive K, the default when speculating, drafts per step what the measured costs and
-    the rest of the batch say pays, and different drafts can change which tokens a sampled request gets: its
-    output keeps the same distribution, but the same seed need not give the same text. Greedy ignores it."""
+    """Seed of this request's random numbers (None: a fresh one). With the default sampler ("race") the same seed
+    gives the same text alone or in any batch, with or without speculation, adaptive or fixed K (same model, weights
+    format, dtype and machine; bitwise so where the target's numerics are batch-invariant, as the default quantized
+    kernels are, README "Exactness"). Greedy ignores it."""
     ignore_eos: bool = False
     """Keep generating after an end-of-sequence token (benchmarks use it for fixed-length outputs)."""
     use_speculation: bool = True
     """Set False to decode this request without speculation."""
+    sampler: str = "race"
+    """How a sampled request's tokens are drawn. "race" (the default): the exponential race (Gumbel-max) with noise
+    keyed by (seed, output position, token), so a token depends only on the seed and the tokens before it and
+    speculation verifies by identity: the same seed gives the same text with or without speculation, at any K,
+    adaptive or fixed, alone or in any batch. "rejection": inverse-CDF draws, verified by rejection sampling
+    (SpecInfer's multi-draft rule), which accepts a sampled draft a little more often (min(1, p/q) rather than the
+    race's coupling) but makes the text depend on what was drafted. Both are exact samples of the target's
+    distribution; greedy ignores it."""
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -67,6 +75,8 @@ class SamplingParams:
             raise ConfigError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ConfigError(f"seed must be an integer, got {self.seed!r}")
+        if self.sampler not in SAMPLERS:
+            raise ConfigError(f"sampler must be one of {', '.join(SAMPLERS)}, got {self.sampler!r}")
 
     @property
     def greedy(self) -> bool:
@@ -166,9 +176,9 @@ def sample_from(probs: torch.Tensor, u: float) -> int:
 # many numbers other requests in its batch needed, or on how many drafts an earlier step verified. The hash is
 # splitmix64's output function, evaluated at a distinct counter per number.
 
-DRAW, ACCEPT, DRAFT, SEQUENTIAL = 0, 1, 2, 3
+DRAW, ACCEPT, DRAFT, SEQUENTIAL, RACE = 0, 1, 2, 3, 4
 """Streams: the token drawn at a position; accepting the i-th draft tried there; a proposer's i-th draft there;
-a plain sequence of numbers for proposers that want one."""
+a plain sequence of numbers for proposers that want one; the exponential race's noise for token x there."""
 _GAMMA = 0x9E3779B97F4A7C15
 _MASK = (1 << 64) - 1
 
@@ -232,3 +242,69 @@ class StepUniforms:
     def draw(self, depth: int) -> float:
         """For the token drawn at `depth` (a correction or the bonus)."""
         return self.random.uniform(self.start + depth, DRAW)
+
+
+# -- the exponential race (Gumbel-max) ----------------------------------------------------------------------------
+#
+# A sampled request's token at output position j is the x that maximises p_j(x) / E_j(x), where p_j is the processed
+# distribution after the tokens before j and E_j(x) = -log(1 - u) an Exp(1) variate keyed by (the request's key, j,
+# x): the Gumbel-max trick written as a race of exponential clocks, an exact sample from p_j. Because the noise
+# belongs to the position and not to what was drafted, the target's token after a given prefix is fixed before any
+# draft is made: verification is identity (the drafts' path is kept while it equals the target's own tokens, as in
+# greedy decoding), and the text depends on the seed and the prefix only: the same alone, in any batch, with or
+# without speculation, at any K. A proposer that sees the same noise (race_gumbel) guesses the winner far more often
+# than one that guesses the most likely token.
+
+def raced(params: SamplingParams) -> bool:
+    """Whether this request's tokens are the winners of the exponential race."""
+    return params.sampler == "race" and not params.greedy
+
+
+_SIGNED = 1 << 63
+
+
+def _signed(z: int) -> int:
+    return z - (1 << 64) if z >= _SIGNED else z
+
+
+def _lsr(z: torch.Tensor, shift: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns (torch's >> is arithmetic)."""
+    return (z >> shift) & ((1 << (64 - shift)) - 1)
+
+
+def _mix64_tensor(z: torch.Tensor) -> torch.Tensor:
+    """_mix64 on int64 tensors (multiplication wraps modulo 2**64, as uint64 arithmetic does)."""
+    z = (z ^ _lsr(z, 30)) * _signed(0xBF58476D1CE4E5B9)
+    z = (z ^ _lsr(z, 27)) * _signed(0x94D049BB133111EB)
+    return z ^ _lsr(z, 31)
+
+
+def race_uniforms(keys: list[int], positions: list[int], tokens: torch.Tensor) -> torch.Tensor:
+    """[N, M] float64: RequestRandom(key n).uniform(positions[n], RACE, tokens[n, m]), for tokens [N, M]."""
+    key = torch.tensor([_signed(k) for k in keys], dtype=torch.int64)[:, None]
+    base = torch.tensor([(p << 24) | (RACE << 20) for p in positions], dtype=torch.int64)[:, None]
+    z = _mix64_tensor(key + _signed(_GAMMA) * ((base | tokens.cpu().long()) + 1))
+    return _lsr(z, 11).double() * 2.0 ** -53
+
+
+def race_gumbel(keys: list[int], positions: list[int], tokens: torch.Tensor) -> torch.Tensor:
+    """[N, M] float64 Gumbel noise -log(E) of the race at those tokens: log p + this ranks tokens as the race does
+    (for proposers: the noise the target's own sample at that position will see)."""
+    return -torch.log(-torch.log1p(-race_uniforms(keys, positions, tokens)))
+
+
+def race_tokens(probs: torch.Tensor, keys: list[int], positions: list[int]) -> torch.Tensor:
+    """The race's winners: probs [N, V] (processed, float32) with row n's noise keyed by (keys[n], positions[n]) ->
+    tokens [N] (int64, on probs' device). The compiled kernel (kernels/race.cpp) where it builds, else the same
+    arithmetic in torch (equal up to the last bit of log1p: a near-tie could go the other way, so a seed's text is
+    reproducible on one machine and install, not across the two)."""
+    from specdecode import kernels
+
+    module = kernels.quant()
+    if module is not None and probs.device.type == "cpu":
+        return module.race_argmax(probs.float(), torch.tensor([_signed(k) for k in keys]),
+                                  torch.tensor(positions, dtype=torch.int64))
+    N, V = probs.shape
+    u = race_uniforms(keys, positions, torch.arange(V).expand(N, V)).to(probs.device)
+    ratio = probs.double() / -torch.log1p(-u)
+    return ratio.masked_fill(~(probs > 0), -1.0).argmax(-1)

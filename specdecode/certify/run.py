@@ -38,6 +38,9 @@ class CertifyConfig:
     """Nucleus mass."""
     top_k: int = 0
     """Top-k (0 = off)."""
+    sampler: str = "race"
+    """SamplingParams.sampler: "race" (the default: identity verification of the race's winners) or "rejection"
+    (rejection sampling of the drafts)."""
     seed: int = 0
     """Seeds the requests (request i gets seed * 1_000_003 + i) and the PIT's randomisation."""
     alpha: float = 1e-3
@@ -55,7 +58,8 @@ class CertifyConfig:
         if self.temperature <= 0:
             raise ConfigError("certify tests sampling: give --temperature > 0 (greedy speculation is checked by "
                               "comparing with plain greedy decoding)")
-        SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)  # validates them
+        SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                       sampler=self.sampler)  # validates them
         for name in ("samples", "max_tokens", "num_prompts", "max_prompt_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
@@ -94,12 +98,14 @@ class CertifyReport:
         rate = self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
         lines = [
             f"certify {self.model} with {spec.get('method')} (T={self.config.temperature:g}, "
-            f"top_p={self.config.top_p:g}, top_k={self.config.top_k}): {v.n} tokens from {self.requests} requests "
-            f"({self.prompt_source} prompts), {self.draft_tokens} draft tokens, {rate:.1%} accepted",
+            f"top_p={self.config.top_p:g}, top_k={self.config.top_k}, {self.config.sampler} sampler): {v.n} tokens "
+            f"from {self.requests} requests ({self.prompt_source} prompts), {self.draft_tokens} draft tokens, "
+            f"{rate:.1%} accepted",
             f"  PIT uniformity (Kolmogorov-Smirnov): p = {v.pit_ks_p:.3g} (mean PIT {v.pit_mean:.4f}, 0.5 expected)",
             f"  mean p(emitted) vs sum(p^2):         p = {v.mean_p_p:.3g} (z = {v.mean_p_z:+.2f})",
             f"  ranks of the emitted tokens:         p = {v.rank_p:.3g} (chi-square {v.rank_chi2:.1f}; 1st, 2nd, ... "
             f"observed {v.rank_observed[:4]}, expected {[round(e) for e in v.rank_expected[:4]]})",
+            f"  repeats of the previous token:       p = {v.repeat_p:.3g} (z = {v.repeat_z:+.2f})",
         ]
         if v.impossible:
             lines.append(f"  tokens the target gives probability 0: {v.impossible}")
@@ -122,7 +128,8 @@ def certify(llm, config: CertifyConfig, reference=None) -> CertifyReport:
     prompts = prompt_ids(llm.tokenizer, texts, min(config.max_prompt_tokens, llm.max_model_len - config.max_tokens - 1))
     requests = math.ceil(config.samples / config.max_tokens)
     params = [SamplingParams(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
-                             max_tokens=config.max_tokens, seed=config.seed * 1_000_003 + i, ignore_eos=True)
+                             max_tokens=config.max_tokens, seed=config.seed * 1_000_003 + i, ignore_eos=True,
+                             sampler=config.sampler)
               for i in range(requests)]
     inputs = [prompts[i % len(prompts)] for i in range(requests)]
     before = dataclasses.replace(llm.total_stats)

@@ -1,7 +1,8 @@
 """The statistics of the losslessness certificate: per emitted token, the target's processed distribution p given the
 token's prefix -> a randomised probability integral transform (PIT), p(emitted token) and its rank; then a uniformity
-test of the PITs, a z-test of the mean of p(emitted) against its expectation sum(p^2) and a chi-square test of the
-ranks, combined by Bonferroni.
+test of the PITs, a z-test of the mean of p(emitted) against its expectation sum(p^2), a chi-square test of the
+ranks and a z-test of how often a token repeats the one before it against sum p(previous token), combined by
+Bonferroni.
 
 Under the null (every token is drawn from p given its prefix) each PIT is U(0,1) given everything before it, so the
 PITs of a run are iid U(0,1) (docs/certify.md). Tokens are ordered by decreasing p (ties by id) for the PIT, so a
@@ -32,6 +33,10 @@ class PositionStats:
     """Rank of x in the order (0 = the most likely token)."""
     top: np.ndarray
     """[N, RANKS] the RANKS largest probabilities, in decreasing order."""
+    p_previous: np.ndarray
+    """p(the token emitted just before this one) at this position (0 at an answer's first token)."""
+    repeated: np.ndarray
+    """1 where this token equals the one emitted just before it, else 0."""
 
     @classmethod
     def concat(cls, parts: list["PositionStats"]) -> "PositionStats":
@@ -60,8 +65,11 @@ def position_stats(p: torch.Tensor, tokens: torch.Tensor, generator: torch.Gener
     s2 = (p * p).sum(-1)
     s3 = (p * p * p).sum(-1)
     top = p.topk(min(RANKS, p.shape[1]), dim=-1).values  # [N, R]
+    previous = torch.cat([tokens.new_full((1,), -1), tokens[:-1]])  # [N]: one answer's tokens in order
+    p_previous = torch.where(previous >= 0, p[rows, previous.clamp(min=0)], 0.0)
+    repeated = (tokens == previous).double()
     return PositionStats(pit.numpy(), p_x.numpy(), s2.numpy(), (s3 - s2 * s2).clamp(min=0.0).numpy(),
-                         before.sum(-1).numpy(), top.numpy())
+                         before.sum(-1).numpy(), top.numpy(), p_previous.numpy(), repeated.numpy())
 
 
 @dataclasses.dataclass
@@ -87,10 +95,15 @@ class Verdict:
     """Emitted tokens of each rank category."""
     rank_expected: list[float]
     """Their expectations under the null."""
+    repeat_z: float
+    """z of the count of tokens equal to the token before them against sum p(previous token) (> 0 = too many
+    repeats: what a sampler whose noise leaks from one position to the next produces)."""
+    repeat_p: float
+    """Two-sided p-value of that z."""
     impossible: int
     """Emitted tokens to which the recomputed distribution gives probability 0."""
     p_value: float
-    """Bonferroni combination: min(1, 3 * the smallest of the three p-values); 0 when too many tokens were
+    """Bonferroni combination: min(1, 4 * the smallest of the four p-values); 0 when too many tokens were
     impossible."""
     alpha: float
     """The level: the run passes when p_value >= alpha."""
@@ -116,12 +129,15 @@ def verdict(s: PositionStats, alpha: float = 1e-3) -> Verdict:
     z = excess / math.sqrt(total_var) if total_var > 0 else 0.0
     z_p = float(2 * scipy_stats.norm.sf(abs(z)))
     chi2, rank_p, observed, expected = rank_test(s)
+    repeat_var = float((s.p_previous * (1 - s.p_previous)).sum())
+    repeat_z = float((s.repeated - s.p_previous).sum()) / math.sqrt(repeat_var) if repeat_var > 0 else 0.0
+    repeat_p = float(2 * scipy_stats.norm.sf(abs(repeat_z)))
     impossible = int((s.p_emitted <= 0).sum())
-    combined = min(1.0, 3 * min(float(ks.pvalue), z_p, rank_p))
+    combined = min(1.0, 4 * min(float(ks.pvalue), z_p, rank_p, repeat_p))
     if impossible > IMPOSSIBLE_FRACTION * len(s):
         combined = 0.0
-    return Verdict(len(s), float(ks.pvalue), float(s.pit.mean()), z, z_p, chi2, rank_p, observed, expected, impossible,
-                   combined, alpha)
+    return Verdict(len(s), float(ks.pvalue), float(s.pit.mean()), z, z_p, chi2, rank_p, observed, expected,
+                   repeat_z, repeat_p, impossible, combined, alpha)
 
 
 def rank_test(s: PositionStats) -> tuple[float, float, list[int], list[float]]:

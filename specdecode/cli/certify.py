@@ -40,6 +40,8 @@ def register(sub) -> None:
     p.add_argument("--prompts", choices=SOURCES, default=d.prompts,
                    help="auto (default): held-out ShareGPT first turns if the data set is downloaded, else a built-in "
                         "set; sharegpt downloads it if needed")
+    p.add_argument("--sampler", choices=("race", "rejection"), default=d.sampler,  # sampling.SAMPLERS
+                   help="race (default): the exponential race, verified by identity; rejection: rejection sampling")
     p.add_argument("--seed", type=SEED, default=d.seed, help=f"(default {d.seed})")
     p.add_argument("--alpha", type=float_range(0.0, 1.0, lo_open=True, hi_open=True), default=d.alpha,
                    help=f"fail below this p-value (default {d.alpha:g})")
@@ -56,7 +58,8 @@ def cmd_certify(args) -> int:
 
     set_threads(args.threads)
     config = CertifyConfig(samples=args.samples, max_tokens=args.max_tokens, temperature=args.temperature,
-                           top_p=args.top_p, top_k=args.top_k, seed=args.seed, alpha=args.alpha, prompts=args.prompts)
+                           top_p=args.top_p, top_k=args.top_k, seed=args.seed, alpha=args.alpha, prompts=args.prompts,
+                           sampler=args.sampler)
     if args.no_speculation:
         raise ConfigError("certify tests speculation: drop --no-speculation")
     model_dir, spec, name = resolve_models(args)

@@ -6,7 +6,7 @@ import dataclasses
 import torch
 
 from specdecode.model.tokenizer import IncrementalDetokenizer, Tokenizer
-from specdecode.sampling import DRAFT, RequestRandom, SamplingParams, StepUniforms
+from specdecode.sampling import DRAFT, RequestRandom, SamplingParams, StepUniforms, raced
 
 
 @dataclasses.dataclass
@@ -131,6 +131,11 @@ class Sequence:
     def step_uniforms(self) -> StepUniforms:
         """The verifier's uniforms for the next step (its first new token is output position num_generated)."""
         return StepUniforms(self.random, self.num_generated)
+
+    def race_at(self, depth: int) -> tuple[int, int] | None:
+        """(key, output position) of the race that decides the token a depth-`depth` draft guesses (0: the next
+        step's first new token), or None when this request's tokens are not raced (greedy, or rejection sampled)."""
+        return (self.random.key, self.num_generated + depth) if raced(self.params) else None
 
     def draft_uniforms(self, depth: int, count: int) -> list[float]:
         """Uniforms for drawing `count` drafts at tree depth `depth` of the next step: tied to the output position

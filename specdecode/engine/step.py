@@ -13,7 +13,8 @@ import torch
 from specdecode.engine.batch import StepBatch
 from specdecode.engine.sequence import Sequence
 from specdecode.model.llama import LlamaForCausalLM
-from specdecode.sampling import DRAW, params_tensors, position_uniforms, processed_probs, sample_rows
+from specdecode.sampling import (DRAW, params_tensors, position_uniforms, processed_probs, race_tokens, raced,
+                                 sample_rows)
 from specdecode.speculation.proposers.base import NO_FEATURES, Proposer, TargetFeatures
 from specdecode.speculation.tree import DraftTree
 from specdecode.speculation.verify import verify_step
@@ -112,8 +113,14 @@ class StepRunner:
         if all(s.params.greedy for s in seqs):
             return logits.argmax(-1).tolist()
         probs = processed_probs(logits, *params_tensors([s.params for s in seqs], device=logits.device))
-        u = position_uniforms([s.random.key for s in seqs], [s.num_generated for s in seqs], 1, DRAW)  # [B, 1]
-        return sample_rows(probs, u[:, 0].to(logits.device)).tolist()
+        keys, positions = [s.random.key for s in seqs], [s.num_generated for s in seqs]
+        u = position_uniforms(keys, positions, 1, DRAW)  # [B, 1]
+        drawn = sample_rows(probs, u[:, 0].to(logits.device))
+        racing = [i for i, s in enumerate(seqs) if raced(s.params)]
+        if racing:
+            drawn[racing] = race_tokens(probs[racing], [keys[i] for i in racing],
+                                        [positions[i] for i in racing]).to(drawn.device)
+        return drawn.tolist()
 
     def _append(self, seq: Sequence, tokens: list[int]) -> str:
         before = seq.num_generated

@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-SOURCES = [Path(__file__).with_name(name) for name in ("quant.cpp", "layer.cpp", "quant.h")]
+SOURCES = [Path(__file__).with_name(name) for name in ("quant.cpp", "layer.cpp", "race.cpp", "quant.h")]
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno"]
 """Compiler flags: this CPU's instruction sets, and no fused multiply-adds the source does not write (so that a
 number is computed the same way in every tiling, see quant.cpp)."""

@@ -407,6 +407,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qmatmul", &qmatmul, "x [M, K] @ dequantized(weight [N, K]).T -> [M, N] float32");
   m.def("dequantize_rows", &dequantize_rows, "rows of a quantized matrix as float32");
   m.def("layer_step", &layer_step, "one decoder layer over a cached forward's new tokens, in place");
+  m.def("race_argmax", &race_argmax, "a seeded sample per row by the exponential race (Gumbel-max)");
   m.def("has_simd", &has_simd);
   m.def("instruction_set", &instruction_set);
 }

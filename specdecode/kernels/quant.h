@@ -5,6 +5,9 @@
 // x [M, K] (any float dtype) @ dequantized(weight [N, K]).T -> [M, N] float32 (see quant.cpp).
 torch::Tensor qmatmul(const torch::Tensor& x, const torch::Tensor& weight, int64_t format, bool use_simd);
 
+// The exponential race over probs [N, V] with each row's (key, position) noise -> tokens [N] (see race.cpp).
+torch::Tensor race_argmax(const torch::Tensor& probs, const torch::Tensor& keys, const torch::Tensor& positions);
+
 // One Llama decoder layer over the new tokens of a cached forward, in place on x (see layer.cpp).
 void layer_step(torch::Tensor x, const torch::Tensor& input_norm, const torch::Tensor& post_norm, double eps,
                 const torch::Tensor& w_qkv, int64_t f_qkv, const c10::optional<torch::Tensor>& b_qkv,

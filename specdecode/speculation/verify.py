@@ -20,7 +20,7 @@ import dataclasses
 import torch
 
 from specdecode.sampling import (ACCEPT, DRAW, SamplingParams, StepUniforms, params_tensors, position_uniforms,
-                                 processed_probs, sample_from, sample_rows)
+                                 processed_probs, race_tokens, raced, sample_from, sample_rows)
 from specdecode.speculation.tree import DraftTree
 
 
@@ -162,6 +162,12 @@ def verify_trees(p: torch.Tensor, q: torch.Tensor | None, tokens: torch.Tensor, 
     return accepted, next_token
 
 
+def race_positions(tree: DraftTree, start: int) -> list[int]:
+    """The output position whose race decides the target's token at the root and at each node: a node at depth d
+    (0: a child of the root) guesses position start + d, and the target's token after it is position start + d + 1."""
+    return [start] + (tree.depths + start + 1).tolist()
+
+
 def verify_step(trees: list[DraftTree], logits: torch.Tensor, params: list[SamplingParams], keys: list[int],
                 starts: list[int]) -> list[VerifyResult]:
     """Every row of one step's target pass at once. logits [B, W, V] at [root, nodes..., lookahead nodes...] of each
@@ -176,14 +182,20 @@ def verify_step(trees: list[DraftTree], logits: torch.Tensor, params: list[Sampl
     if read:
         rows = logits if len(read) == B else logits[read]  # indexing by a list would copy the logits
         parts.append(rows.argmax(-1).flatten())  # [R * W]
-    chains = [b for b in sampled if trees[b].shape.is_chain]
-    branching = [b for b in sampled if not trees[b].shape.is_chain]
+    racing = [b for b in sampled if raced(params[b])]
+    chains = [b for b in sampled if trees[b].shape.is_chain and b not in racing]
+    branching = [b for b in sampled if not trees[b].shape.is_chain and b not in racing]
     if sampled:
         W = 1 + max(len(trees[b]) for b in sampled)  # draft nodes only
         p = processed_probs(logits[sampled, :W].reshape(-1, V),
                             *params_tensors([params[b] for b in sampled], [W] * len(sampled), device=device))
         p = p.view(len(sampled), W, V)
         row_of = {b: row for row, b in enumerate(sampled)}
+        if racing:  # the target's own token at the root and at every node: the winner of that position's race
+            rows = torch.cat([p[row_of[b], :1 + len(trees[b])] for b in racing])
+            race_keys = [keys[b] for b in racing for _ in range(1 + len(trees[b]))]
+            positions = [p for b in racing for p in race_positions(trees[b], starts[b])]
+            parts.append(race_tokens(rows, race_keys, positions).to(device))
         if chains:
             parts.extend(_chains([trees[b] for b in chains], p[[row_of[b] for b in chains]],
                                  [keys[b] for b in chains], [starts[b] for b in chains]))
@@ -208,6 +220,8 @@ def verify_step(trees: list[DraftTree], logits: torch.Tensor, params: list[Sampl
             tree.lookahead.outputs = row[1 + len(tree):1 + tree.pass_size]
         if params[b].greedy:
             results[b] = verify_greedy(tree, row)
+    for b in racing:
+        results[b] = verify_greedy(trees[b], take(1 + len(trees[b])))
     if chains:
         for b, n, x in zip(chains, take(len(chains)), take(len(chains))):
             results[b] = VerifyResult(list(range(n)), x)

@@ -1,5 +1,6 @@
 """Deliberately wrong verifiers, each a small edit of the real one, for showing that certify has power: injected where
-the step verifies (specdecode.speculation.verify's verify_chains and verify_trees) with monkeypatch.setattr."""
+the step verifies (specdecode.speculation.verify's verify_chains and verify_trees for rejection sampling,
+race_positions and race_tokens for the race) with monkeypatch.setattr."""
 from __future__ import annotations
 
 import dataclasses
@@ -76,10 +77,26 @@ def tree_siblings_unnormalised(tree, p_all, uniforms):
             return VerifyResult(accepted, sample_from(left, uniforms.draw(depth)))
 
 
+def race_positions_off_by_one(tree, start):
+    """The race, but the target's token after a node at depth d takes the noise of position start + d (the one the
+    node itself won) instead of start + d + 1: after an accepted draft, two positions share one race's noise."""
+    return [start] + (tree.depths + start).tolist()
+
+
+def race_uniform_noise(probs, keys, positions):
+    """The race, but each token's clock is the uniform u itself rather than the exponential -log(1 - u)."""
+    from specdecode.sampling import race_uniforms
+
+    u = race_uniforms(keys, positions, torch.arange(probs.shape[1]).expand(probs.shape))
+    return (probs.double() / u).masked_fill(~(probs > 0), -1.0).argmax(-1)
+
+
 BROKEN = {
     "correction_from_p": {"verify_chains": chains_correction_from_p, "verify_sampling": tree_correction_from_p},
     "q_other_temperature": {"verify_chains": chains_q_other_temperature(), "verify_sampling": tree_q_other_temperature()},
     "siblings_unnormalised": {"verify_sampling": tree_siblings_unnormalised},
+    "race_off_by_one": {"race_positions": race_positions_off_by_one},
+    "race_uniform_noise": {"race_tokens": race_uniform_noise},
 }
 """Name -> the verifier functions to replace (verify_sampling: the rule for each sampled tree)."""
 

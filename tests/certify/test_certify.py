@@ -1,5 +1,6 @@
 """`specdecode certify` has power and no false alarms: the real verifier passes (p > 1e-3) on chains, sampled trees
-and one-hot trees at T=1 and T=0.7/top-p 0.9; each deliberately broken verifier fails with p < 1e-6 at the default
+and one-hot trees at T=1 and T=0.7/top-p 0.9, with either sampler (the race, rejection sampling); each deliberately
+broken verifier fails with p < 1e-6 at the default
 sample size (a tiny target with peaked distributions and an overconfident draft, so that both run in seconds); the
 pipeline passes on SmolLM2 with its real prompt lookup (a reduced sample; the default-size figures for every method
 are in docs/certify.md). Seeds are fixed: every p-value here is the same on every run."""
@@ -36,8 +37,8 @@ def engine(pair, kind: str) -> LLM:
     return llm
 
 
-def run(pair, kind, samples=DEFAULT_SAMPLES, **params):
-    report = certify(engine(pair, kind), CertifyConfig(samples=samples, prompts="builtin", **params))
+def run(pair, kind, samples=DEFAULT_SAMPLES, sampler="race", **params):
+    report = certify(engine(pair, kind), CertifyConfig(samples=samples, prompts="builtin", sampler=sampler, **params))
     assert report.draft_tokens > samples // 2 and report.accepted_tokens > 0.05 * report.draft_tokens, \
         "the run must draft on most steps and accept some drafts, or it tests nothing"
     return report.verdict
@@ -58,22 +59,25 @@ def test_statistics_on_exact_and_biased_draws():
     assert sum(good.rank_observed) == 4096 and np.isclose(sum(good.rank_expected), 4096)
 
 
+@pytest.mark.parametrize("sampler", ["race", "rejection"])
 @pytest.mark.parametrize("kind", ["chain", "qtree", "onehot"])
 @pytest.mark.parametrize("params", list(TEMPERATURES))
-def test_real_verifier_passes(pair, kind, params):
-    v = run(pair, kind, samples=2048, **TEMPERATURES[params])
+def test_real_verifier_passes(pair, kind, params, sampler):
+    v = run(pair, kind, samples=2048, sampler=sampler, **TEMPERATURES[params])
     assert v.passed and v.p_value > 1e-3 and v.impossible == 0, v
 
 
-@pytest.mark.parametrize("name,kind,params", [
-    ("correction_from_p", "chain", "t1"),
-    ("correction_from_p", "onehot", "t0.7_top_p0.9"),
-    ("q_other_temperature", "chain", "t0.7_top_p0.9"),
-    ("siblings_unnormalised", "onehot", "t1"),
+@pytest.mark.parametrize("name,kind,params,sampler", [
+    ("correction_from_p", "chain", "t1", "rejection"),
+    ("correction_from_p", "onehot", "t0.7_top_p0.9", "rejection"),
+    ("q_other_temperature", "chain", "t0.7_top_p0.9", "rejection"),
+    ("siblings_unnormalised", "onehot", "t1", "rejection"),
+    ("race_uniform_noise", "chain", "t1", "race"),
+    ("race_uniform_noise", "onehot", "t0.7_top_p0.9", "race"),
 ])
-def test_broken_verifier_fails(pair, monkeypatch, name, kind, params):
+def test_broken_verifier_fails(pair, monkeypatch, name, kind, params, sampler):
     broken.inject(monkeypatch, name)
-    v = run(pair, kind, **TEMPERATURES[params])
+    v = run(pair, kind, sampler=sampler, **TEMPERATURES[params])
     assert not v.passed and v.p_value < 1e-6, v
 
 
@@ -86,7 +90,7 @@ def test_cli_verdict_exit_code_and_json(pair, monkeypatch, tmp_path, capsys):
     report = json.loads((tmp_path / "ok.json").read_text())
     assert report["verdict"]["passed"] and report["verdict"]["n"] == 1024
     assert report["speculative_config"]["num_speculative_tokens"] == 3 and not report["speculative_config"]["adaptive"]
-    broken.inject(monkeypatch, "correction_from_p")
+    broken.inject(monkeypatch, "race_uniform_noise")
     assert main(argv + [str(tmp_path / "bad.json")]) == 1
     assert "FAIL" in capsys.readouterr().out
     assert not json.loads((tmp_path / "bad.json").read_text())["verdict"]["passed"]

@@ -15,7 +15,7 @@ from specdecode.speculation.proposers.eagle import EagleProposer, _Pool
 from tests.speculation.test_control import FrozenCosts, synthetic_costs
 from .heads_fixtures import (chi_square_p, copy_head, correction_from_p, keep_last_layer, load_target, per_tree,
                              save_speculator)
-from .test_lossless_sampling import PARAMS, make_tiny_vocab_model
+from .test_lossless_sampling import BOTH, PARAMS, rejection, make_tiny_vocab_model
 
 PROMPTS = ["def add(a, b):", "class Point:\n    def __init__(self, x, y):\n        self.x = x", "for i in",
            "import os\nimport sys\n", "x", "Speculative decoding drafts tokens cheaply and"]
@@ -142,16 +142,16 @@ def eagle_config(root):
             "num_tree_nodes": 6, "adaptive": False}
 
 
-@pytest.mark.parametrize("params_name", list(PARAMS))
+@pytest.mark.parametrize("params_name", list(BOTH))
 def test_sampling_from_eagle_trees_matches_the_target(vocab8_eagle, params_name, monkeypatch):
-    p_value, stats = chi_square_p(vocab8_eagle, eagle_config(vocab8_eagle), PARAMS[params_name], monkeypatch)
+    p_value, stats = chi_square_p(vocab8_eagle, eagle_config(vocab8_eagle), BOTH[params_name], monkeypatch)
     assert stats.accepted_per_pos[1] > 0, "whole paths of the tree must be accepted too"
     assert p_value > 1e-3
 
 
 def test_negative_control_fails(vocab8_eagle, monkeypatch):
     monkeypatch.setattr(verify_module, "verify_trees", per_tree(correction_from_p))
-    p_value, _ = chi_square_p(vocab8_eagle, eagle_config(vocab8_eagle), PARAMS["t1"], monkeypatch)
+    p_value, _ = chi_square_p(vocab8_eagle, eagle_config(vocab8_eagle), rejection(PARAMS["t1"]), monkeypatch)
     assert p_value < 1e-6
 
 

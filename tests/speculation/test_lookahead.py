@@ -11,7 +11,7 @@ from specdecode.speculation.proposers.lookahead import LookaheadConfig, NgramPoo
 from specdecode.speculation.tree import merge_paths, tree_shape
 
 from .heads_fixtures import chains_by, chi_square_p, correction_from_p, per_tree
-from .test_lossless_sampling import PARAMS, make_tiny_vocab_model
+from .test_lossless_sampling import BOTH, PARAMS, rejection, make_tiny_vocab_model
 
 
 def lookahead_config(n=3, w=3, g=3, adaptive=False):
@@ -119,9 +119,9 @@ def test_adaptive_lookahead_stays_exact(vocab8):
         assert got.outputs[0].token_ids == want.outputs[0].token_ids
 
 
-@pytest.mark.parametrize("params_name", list(PARAMS))
+@pytest.mark.parametrize("params_name", list(BOTH))
 def test_sampling_with_lookahead_matches_the_target(vocab8, params_name, monkeypatch):
-    p_value, stats = chi_square_p(vocab8, lookahead_config(), PARAMS[params_name], monkeypatch)
+    p_value, stats = chi_square_p(vocab8, lookahead_config(), BOTH[params_name], monkeypatch)
     assert len(stats.accepted_per_pos) >= 2
     assert p_value > 1e-3
 
@@ -129,5 +129,5 @@ def test_sampling_with_lookahead_matches_the_target(vocab8, params_name, monkeyp
 def test_negative_control_fails(vocab8, monkeypatch):
     monkeypatch.setattr(verify_module, "verify_trees", per_tree(correction_from_p))
     monkeypatch.setattr(verify_module, "verify_chains", chains_by(correction_from_p))
-    p_value, _ = chi_square_p(vocab8, lookahead_config(), PARAMS["t0.7_top_p0.9"], monkeypatch)
+    p_value, _ = chi_square_p(vocab8, lookahead_config(), rejection(PARAMS["t0.7_top_p0.9"]), monkeypatch)
     assert p_value < 1e-6

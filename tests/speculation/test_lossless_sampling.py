@@ -3,10 +3,11 @@ distribution.
 
 A target and a draft over an 8-token vocabulary; the exact joint distribution of the first three generated
 tokens is enumerated from the target alone (with temperature / top-p applied); 20,000 speculative samples
-(fixed seeds, one batch) must pass a chi-square goodness-of-fit test, and a deliberately wrong verifier must fail
-it. With one draft token per step the three tokens span a bonus token or a second speculative step; one test mixes
+(fixed seeds, one batch) must pass a chi-square goodness-of-fit test, with either sampler (the race verified by
+identity, rejection sampling), and a deliberately wrong verifier of each must fail it. With one draft token per step the three tokens span a bonus token or a second speculative step; one test mixes
 every kind of row in each step. (tests/speculation/test_verify_exact.py checks the verifiers exactly, without a model.)
 """
+import dataclasses
 import itertools
 import json
 
@@ -20,7 +21,7 @@ from specdecode.engine.llm import LLM
 from specdecode.model.config import ModelConfig
 from specdecode.model.llama import LlamaForCausalLM
 from specdecode.model.loading import save_model
-from specdecode.sampling import SamplingParams, processed_probs, sample_rows
+from specdecode.sampling import SamplingParams, processed_probs, race_uniforms, sample_rows
 from specdecode.speculation.proposers.base import NO_FEATURES
 from specdecode.speculation.tree import DraftTree, tree_shape
 from specdecode.speculation.verify import verify_chains
@@ -78,10 +79,11 @@ def exact_distribution(model_dir, params: SamplingParams) -> dict[tuple[int, ...
     return dist
 
 
-def speculative_samples(model_dir, spec_config, params: SamplingParams, proposer=None,
-                        greedy_every: int = 0) -> tuple[list[tuple[int, ...]], LLM, list]:
+def speculative_samples(model_dir, spec_config, params: SamplingParams, proposer=None, greedy_every: int = 0,
+                        sampler=None) -> tuple[list[tuple[int, ...]], LLM, list]:
     """The first three generated tokens of SAMPLES seeded requests decoded as one batch. Every greedy_every-th
-    request is greedy (left out of the samples, returned as the third value)."""
+    request is greedy (left out of the samples, returned as the third value). sampler: a function of the request
+    index giving its SamplingParams.sampler (default: params.sampler for all)."""
     spec_config = {"adaptive": False, **spec_config}  # fixed K: every request drafts (and no start-up timing)
     llm = LLM(str(model_dir), dtype="float32", speculative_config=spec_config, max_num_seqs=SAMPLES)
     if proposer is not None:
@@ -89,7 +91,8 @@ def speculative_samples(model_dir, spec_config, params: SamplingParams, proposer
     k = spec_config["num_speculative_tokens"]
     greedy = [greedy_every and i % greedy_every == greedy_every - 1 for i in range(SAMPLES)]
     per_request = [SamplingParams(temperature=0.0 if g else params.temperature, top_p=params.top_p,
-                                  top_k=params.top_k, max_tokens=k + 3, seed=i, ignore_eos=True)
+                                  top_k=params.top_k, max_tokens=k + 3, seed=i, ignore_eos=True,
+                                  sampler=sampler(i) if sampler else params.sampler)
                    for i, g in zip(range(SAMPLES), greedy)]
     outputs = llm.generate([PROMPT] * SAMPLES, per_request)
     stats = llm.total_stats
@@ -124,21 +127,35 @@ def draft(root, k, drafts=1):
 
 
 PARAMS = {"t1": SamplingParams(temperature=1.0), "t0.7_top_p0.9": SamplingParams(temperature=0.7, top_p=0.9)}
-CASES = {  # name: (speculative_config, sampling parameters)
+"""Sampled settings (the default sampler: the race)."""
+
+
+def rejection(params: SamplingParams) -> SamplingParams:
+    """The same settings, drawn by inverse CDF and verified by rejection sampling."""
+    return dataclasses.replace(params, sampler="rejection")
+
+
+SAMPLERS = {"race": lambda p: p, "rejection": rejection}
+BOTH = {"t1_race": PARAMS["t1"], "t0.7_top_p0.9_rejection": rejection(PARAMS["t0.7_top_p0.9"])}
+"""One setting per sampler, for the methods' own end-to-end tests."""
+CASES = {  # name: (speculative_config, sampling parameters, sampler)
     # One draft token per step: the first three tokens are the prefill token, then either the draft and its bonus
     # token, or a correction and the first token of a second speculative step.
     # (Longer chains: test_verify_exact.py exactly, and the mixed test below end to end.)
-    "chain_K1_top_p": (lambda root: draft(root, 1), "t0.7_top_p0.9"),
-    "one_level_tree": (lambda root: draft(root, 1, drafts=3), "t0.7_top_p0.9"),
-    "tree_K2x3": (lambda root: draft(root, 2, drafts=3), "t1"),
-    "ngram_one_hot": (lambda root: {"method": "ngram", "num_speculative_tokens": 1, "prompt_lookup_max": 2}, "t1"),
+    "chain_K1_top_p": (lambda root: draft(root, 1), "t0.7_top_p0.9", "rejection"),
+    "chain_K1_top_p_race": (lambda root: draft(root, 1), "t0.7_top_p0.9", "race"),
+    "one_level_tree": (lambda root: draft(root, 1, drafts=3), "t0.7_top_p0.9", "rejection"),
+    "tree_K2x3": (lambda root: draft(root, 2, drafts=3), "t1", "rejection"),
+    "tree_K2x3_race": (lambda root: draft(root, 2, drafts=3), "t1", "race"),
+    "ngram_one_hot": (lambda root: {"method": "ngram", "num_speculative_tokens": 1, "prompt_lookup_max": 2}, "t1",
+                      "rejection"),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_speculative_sampling_matches_target_distribution(vocab8, case):
-    config, params_name = CASES[case]
-    params = PARAMS[params_name]
+    config, params_name, sampler = CASES[case]
+    params = SAMPLERS[sampler](PARAMS[params_name])
     config = config(vocab8)
     samples, llm, _ = speculative_samples(vocab8 / "target", config, params)
     if config["num_speculative_tokens"] == 1:
@@ -197,7 +214,8 @@ def test_one_step_mixes_greedy_and_sampled_rows_chains_trees_and_lengths(vocab8)
     node), of different lengths, together; every sampled row must still follow the target."""
     params = PARAMS["t1"]
     config = {"method": "ngram", "num_speculative_tokens": 4}
-    samples, llm, greedy = speculative_samples(vocab8 / "target", config, params, MixedProposer(), greedy_every=10)
+    samples, llm, greedy = speculative_samples(vocab8 / "target", config, params, MixedProposer(), greedy_every=10,
+                                               sampler=lambda i: ("race", "rejection")[i % 2])
     plain = LLM(str(vocab8 / "target"), dtype="float32").generate(
         [PROMPT], SamplingParams(temperature=0, max_tokens=7, ignore_eos=True))[0].outputs[0].token_ids
     assert greedy and all(g == plain for g in greedy)
@@ -213,6 +231,19 @@ def wrong_verify_chains_without_residual(p, q, tokens, lengths, u_accept, u_draw
 
 def test_negative_control_wrong_verifier_is_detected(vocab8, monkeypatch):
     monkeypatch.setattr(verify_module, "verify_chains", wrong_verify_chains_without_residual)
+    params = rejection(PARAMS["t1"])
+    samples, _, _ = speculative_samples(vocab8 / "target", draft(vocab8, 1), params)
+    assert goodness_of_fit(exact_distribution(vocab8 / "target", params), samples) < 1e-6
+
+
+def wrong_race_with_uniform_clocks(probs, keys, positions):
+    """The race, but each token's clock is the uniform itself instead of an exponential."""
+    u = race_uniforms(keys, positions, torch.arange(probs.shape[1]).expand(probs.shape))
+    return (probs.double() / u).masked_fill(~(probs > 0), -1.0).argmax(-1)
+
+
+def test_negative_control_wrong_race_is_detected(vocab8, monkeypatch):
+    monkeypatch.setattr(verify_module, "race_tokens", wrong_race_with_uniform_clocks)
     params = PARAMS["t1"]
     samples, _, _ = speculative_samples(vocab8 / "target", draft(vocab8, 1), params)
     assert goodness_of_fit(exact_distribution(vocab8 / "target", params), samples) < 1e-6

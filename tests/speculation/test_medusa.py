@@ -16,7 +16,7 @@ from specdecode.speculation.tree import paths_to_parents
 
 from .heads_fixtures import (chi_square_p, correction_from_p, load_target, per_tree, save_speculator, target_text,
                              train_medusa)
-from .test_lossless_sampling import PARAMS, make_tiny_vocab_model
+from .test_lossless_sampling import BOTH, PARAMS, rejection, make_tiny_vocab_model
 
 
 def test_greedy_tree_is_the_best_set_of_paths():
@@ -81,14 +81,14 @@ def test_tree_comes_from_the_recorded_accuracies(vocab8_medusa):
     assert llm.spec_config.tree_size == 6
 
 
-@pytest.mark.parametrize("params_name", list(PARAMS))
+@pytest.mark.parametrize("params_name", list(BOTH))
 def test_sampling_from_medusa_trees_matches_the_target(vocab8_medusa, params_name, monkeypatch):
-    p_value, stats = chi_square_p(vocab8_medusa, medusa_config(vocab8_medusa), PARAMS[params_name], monkeypatch)
+    p_value, stats = chi_square_p(vocab8_medusa, medusa_config(vocab8_medusa), BOTH[params_name], monkeypatch)
     assert len(stats.accepted_per_pos) >= 2, "whole paths of the tree must be accepted too"
     assert p_value > 1e-3
 
 
 def test_negative_control_fails(vocab8_medusa, monkeypatch):
     monkeypatch.setattr(verify_module, "verify_trees", per_tree(correction_from_p))
-    p_value, _ = chi_square_p(vocab8_medusa, medusa_config(vocab8_medusa), PARAMS["t0.7_top_p0.9"], monkeypatch)
+    p_value, _ = chi_square_p(vocab8_medusa, medusa_config(vocab8_medusa), rejection(PARAMS["t0.7_top_p0.9"]), monkeypatch)
     assert p_value < 1e-6

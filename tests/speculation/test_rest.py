@@ -17,7 +17,7 @@ from specdecode.speculation.datastore import Datastore, write_datastore
 from specdecode.speculation.proposers.rest import frequency_tree
 
 from .heads_fixtures import chains_by, chi_square_p, correction_from_p, per_tree
-from .test_lossless_sampling import PARAMS, PROMPT, make_tiny_vocab_model
+from .test_lossless_sampling import BOTH, PARAMS, rejection, PROMPT, make_tiny_vocab_model
 
 
 class FourTokens:
@@ -173,9 +173,9 @@ def rest_config(root):
     return {"method": "rest", "model": str(root / "ds"), "num_speculative_tokens": 2, "num_tree_nodes": 4}
 
 
-@pytest.mark.parametrize("params_name", list(PARAMS))
+@pytest.mark.parametrize("params_name", list(BOTH))
 def test_sampling_from_rest_trees_matches_the_target(vocab8_rest, params_name, monkeypatch):
-    p_value, stats = chi_square_p(vocab8_rest, rest_config(vocab8_rest), PARAMS[params_name], monkeypatch)
+    p_value, stats = chi_square_p(vocab8_rest, rest_config(vocab8_rest), BOTH[params_name], monkeypatch)
     assert len(stats.accepted_per_pos) >= 2
     assert p_value > 1e-3
 
@@ -183,7 +183,7 @@ def test_sampling_from_rest_trees_matches_the_target(vocab8_rest, params_name, m
 def test_negative_control_fails(vocab8_rest, monkeypatch):
     monkeypatch.setattr(verify_module, "verify_trees", per_tree(correction_from_p))
     monkeypatch.setattr(verify_module, "verify_chains", chains_by(correction_from_p))
-    p_value, _ = chi_square_p(vocab8_rest, rest_config(vocab8_rest), PARAMS["t0.7_top_p0.9"], monkeypatch)
+    p_value, _ = chi_square_p(vocab8_rest, rest_config(vocab8_rest), rejection(PARAMS["t0.7_top_p0.9"]), monkeypatch)
     assert p_value < 1e-6
 
 

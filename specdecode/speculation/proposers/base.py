@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from specdecode.sampling import race_gumbel
 from specdecode.speculation.tree import DraftTree
 from specdecode.speculation.verify import VerifyResult
 
@@ -34,6 +35,37 @@ class Sequence(Protocol):
 
     def draft_uniforms(self, depth: int, count: int) -> list[float]:
         """Uniforms for drawing `count` drafts at tree depth `depth` of the next step, tied to output positions."""
+
+    def race_at(self, depth: int) -> tuple[int, int] | None:
+        """(key, output position) of the race deciding the token a depth-`depth` draft guesses, or None when the
+        request is not raced (sampling.race_gumbel gives that race's noise: drafts that see it guess better)."""
+
+
+RACE_CANDIDATES = 32
+"""A raced row's guesses are ranked among the draft's this many most likely tokens (each plus its race noise)."""
+
+
+def race_perturbed(scores: torch.Tensor, seqs, depth: int, per_row: int,
+                   draft_to_target: torch.Tensor | None = None) -> torch.Tensor:
+    """Draft log-probabilities [N, V] (N = len(seqs) * per_row rows, all guessing the token at tree depth `depth`)
+    with the race's Gumbel noise added where a request is raced: its top RACE_CANDIDATES tokens get log q + G (G
+    the noise the target's own sample at that position will see; token ids mapped through draft_to_target for a
+    draft vocabulary) and the rest -inf, renormalised, so the top of a row is the draft's guess at the race's
+    winner. Rows of requests that are not raced are returned as they are."""
+    races = [s.race_at(depth) for s in seqs]
+    rows = [b * per_row + j for b, race in enumerate(races) if race is not None for j in range(per_row)]
+    if not rows:
+        return scores
+    rows_t = torch.tensor(rows, device=scores.device)
+    top, ids = scores[rows_t].topk(min(RACE_CANDIDATES, scores.shape[-1]), dim=-1)  # [R, M]
+    target_ids = ids if draft_to_target is None else draft_to_target[ids]
+    keys = [races[r // per_row][0] for r in rows]
+    positions = [races[r // per_row][1] for r in rows]
+    noisy = top.double() + race_gumbel(keys, positions, target_ids).to(scores.device)
+    noisy = noisy.log_softmax(-1)  # still log-probabilities (<= 0): a tree's path scores only fall with depth
+    out = scores.clone()
+    out[rows_t] = scores.new_full((len(rows), scores.shape[-1]), float("-inf")).scatter_(1, ids, noisy.to(out.dtype))
+    return out
 
 
 @dataclasses.dataclass(frozen=True)

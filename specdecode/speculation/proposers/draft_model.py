@@ -12,7 +12,7 @@ import torch
 from specdecode.errors import ConfigError
 from specdecode.speculation.methods import Method
 from specdecode.model.llama import LlamaForCausalLM
-from specdecode.sampling import params_tensors, processed_probs, sample_rows
+from specdecode.sampling import params_tensors, processed_probs, race_tokens, sample_rows
 from specdecode.speculation.proposers.base import NO_FEATURES
 from specdecode.speculation.tree import DraftTree
 
@@ -100,7 +100,16 @@ class DraftModelProposer:
         q = q.expand(B, width, V)  # at the root, every chain draws independently from the same q
         u = torch.tensor([s.draft_uniforms(depth, width) for s in seqs], dtype=torch.float64,
                          device=logits.device)  # [B, w]
-        return sample_rows(q.reshape(-1, V), u.view(-1)).view(B, width), q
+        tokens = sample_rows(q.reshape(-1, V), u.view(-1)).view(B, width)
+        races = [s.race_at(depth) for s in seqs]
+        raced = [b for b, race in enumerate(races) if race is not None]
+        if raced:  # a raced request's chains guess the winner of the race under their own q (at the root, chain 0)
+            chains = range(width) if per_chain else range(1)
+            rows = [(b, c) for b in raced for c in chains]
+            winners = race_tokens(q[[b for b, _ in rows], [c for _, c in rows]].contiguous(),
+                                  [races[b][0] for b, _ in rows], [races[b][1] for b, _ in rows])
+            tokens[[b for b, _ in rows], [c for _, c in rows]] = winners.to(tokens.device)
+        return tokens, q
 
     @torch.no_grad()
     def propose(self, seqs, budgets: list[int]) -> list[DraftTree]:

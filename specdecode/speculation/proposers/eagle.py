@@ -23,7 +23,7 @@ from specdecode.errors import ConfigError
 from specdecode.speculation.methods import Method
 from specdecode.sampling import params_tensors, processed_probs
 from specdecode.speculation.heads import EagleHead
-from specdecode.speculation.proposers.base import FeatureRequest, TargetFeatures
+from specdecode.speculation.proposers.base import FeatureRequest, TargetFeatures, race_perturbed
 from specdecode.speculation.tree import DraftTree
 
 
@@ -158,7 +158,8 @@ class EagleProposer:
         g_root = out[torch.arange(B, device=device), last]  # [B, D]: the predicted feature after the pending token
         logits = head.decoder.lm_head(head.decoder.model.norm(g_root))  # [B, Vd]
         k = min(cfg.topk, logits.shape[-1])
-        scores, cand = self._log_q(logits, seqs, 1).topk(k, dim=-1)  # [B, k] depth-1 nodes
+        log_q = race_perturbed(self._log_q(logits, seqs, 1), seqs, 0, 1, head.draft_to_target)
+        scores, cand = log_q.topk(k, dim=-1)  # [B, k] depth-1 nodes
         pool = _Pool(scores, cand, torch.full((B, k), -1, device=device), 0)
         # The k nodes of the current depth that are expanded: pool indices, scores, draft ids, parent features.
         exp_pool = torch.arange(k, device=device).expand(B, k)
@@ -177,7 +178,8 @@ class EagleProposer:
             fed_mask = torch.cat([torch.cat([fed_mask, fed_mask.new_zeros(B, fed, k)], dim=2), seen], dim=1)
             g, logits = head(head.draft_to_target[exp_tokens], exp_feats, cache=self.cache, slots=slots,
                              positions=(position + depth - 1)[:, None].expand(B, k), tree_mask=seen, pending=fed)
-            log_q = self._log_q(logits.reshape(B * k, -1), seqs, k).view(B, k, -1)  # [B, k, Vd]
+            log_q = race_perturbed(self._log_q(logits.reshape(B * k, -1), seqs, k), seqs, depth, k,
+                                   head.draft_to_target).view(B, k, -1)  # [B, k, Vd]
             child_scores, child_tokens = (exp_scores[..., None] + log_q).topk(k, dim=-1)  # [B, k, k]
             child_scores, child_tokens = child_scores.reshape(B, k * k), child_tokens.reshape(B, k * k)
             first = pool.size

@@ -20,9 +20,10 @@ from pathlib import Path
 import torch
 
 from specdecode.errors import ConfigError
+from specdecode.sampling import MIN_TEMPERATURE
 from specdecode.speculation.methods import Method
 from specdecode.speculation.heads import MedusaHeads
-from specdecode.speculation.proposers.base import FeatureRequest, TargetFeatures, WithoutDraftCache
+from specdecode.speculation.proposers.base import FeatureRequest, TargetFeatures, WithoutDraftCache, race_perturbed
 from specdecode.speculation.tree import DraftTree, paths_to_parents
 
 
@@ -141,6 +142,12 @@ class MedusaProposer(WithoutDraftCache):
             return trees
         hidden = torch.stack([self.last_hidden[seqs[i].request_id] for i in rows])  # [R, D]
         logits = self.heads(hidden)  # [H, R, Vd]
+        drafting = [seqs[i] for i in rows]
+        if any(s.race_at(0) is not None for s in drafting):  # raced requests rank by log q + the race's noise
+            temperature = torch.tensor([max(s.params.temperature, MIN_TEMPERATURE) for s in drafting],
+                                       device=logits.device)[:, None]
+            logits = torch.stack([race_perturbed((logits[h].float() / temperature).log_softmax(-1), drafting, h, 1,
+                                                 self.heads.draft_to_target) for h in range(len(logits))])
         top = self.heads.draft_to_target[logits.topk(self.ranks, dim=-1).indices].cpu()  # [H, R, ranks]
         for row, i in enumerate(rows):
             heads, ranks, parents = self.subtree(budgets[i])

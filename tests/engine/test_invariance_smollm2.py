@@ -1,0 +1,53 @@
+"""On the real model in its default configuration (quantization and dtype "auto": Q4_1/Q8_0 weights through the
+fused kernels where they build), every method gives plain decoding's answer: greedy and seeded sampled (the race),
+alone and sharing a batch with other requests. benchmarks/invariance.py measures the same on 100 held-out prompts x
+128 tokens at batch 1, 8 and 32 with adaptive speculation (docs/bench/invariance); here K is fixed at 3, so that
+every step drafts."""
+import pytest
+
+from specdecode.engine.llm import LLM
+from specdecode.sampling import SamplingParams
+
+QUESTIONS = ["What is the capital of France?", "Write a Python function that reverses a string.",
+             "Summarise: the cat sat on the mat because the mat was warm and the sun was out."]
+METHODS = ["ngram", "eagle", "medusa", "draft_model", "lookahead", "rest"]
+TOKENS = 24
+
+
+def requests() -> list[SamplingParams]:
+    """One greedy request, one at T=1 and one at T=0.7/top-p 0.9, each seeded."""
+    return [SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True),
+            SamplingParams(temperature=1.0, seed=7, max_tokens=TOKENS, ignore_eos=True),
+            SamplingParams(temperature=0.7, top_p=0.9, seed=8, max_tokens=TOKENS, ignore_eos=True)]
+
+
+def answers(llm: LLM, together: bool) -> list[list[int]]:
+    prompts = [llm.tokenizer.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
+    if together:
+        outs = llm.generate(prompts, requests())
+    else:
+        outs = [llm.generate([p], [sp])[0] for p, sp in zip(prompts, requests())]
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def plain(smollm2):
+    llm = LLM(max_num_seqs=4, max_model_len=256)
+    return llm, answers(llm, together=False)
+
+
+def test_plain_answers_do_not_depend_on_the_batch(plain):
+    llm, alone = plain
+    assert answers(llm, together=True) == alone
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_method_gives_plain_answers_alone_and_in_a_batch(plain, method):
+    reference_llm, reference = plain
+    llm = LLM(max_num_seqs=4, max_model_len=256,
+              speculative_config={"method": method, "num_speculative_tokens": 3, "adaptive": False})
+    assert llm.quantization == reference_llm.quantization and llm.target.dtype == reference_llm.target.dtype
+    assert answers(llm, together=False) == reference
+    assert answers(llm, together=True) == reference
+    stats = llm.total_stats
+    assert stats.draft_tokens > 0, "the method must have drafted, or this compares plain with plain"
