@@ -162,3 +162,51 @@ def test_no_truncation_is_a_plain_softmax():
     probs = run(logits, [(0.7, 0, 1.0), (1.0, 5000, 1.0), (1.3, 10**6, 1.0)])
     for row, t in enumerate((0.7, 1.0, 1.3)):
         torch.testing.assert_close(probs[row], (logits[row] / t).softmax(-1))
+
+
+# -- the exponential race ----------------------------------------------------------------------------------------
+
+def test_race_uniforms_are_the_requests_own_numbers():
+    from specdecode.sampling import RACE, RequestRandom, race_uniforms
+
+    randoms = [RequestRandom(seed) for seed in (0, 1, 2**40 + 3)]
+    tokens = torch.tensor([[0, 5, 49151], [7, 7, 8], [1, 2, 3]])
+    u = race_uniforms([r.key for r in randoms], [0, 17, 2**20], tokens)
+    expected = [[r.uniform(pos, RACE, int(x)) for x in row] for r, pos, row in zip(randoms, [0, 17, 2**20], tokens)]
+    assert u.tolist() == expected
+
+
+def test_race_kernel_equals_the_torch_arithmetic(monkeypatch):
+    from specdecode import kernels
+    from specdecode.sampling import RequestRandom, race_tokens
+
+    if kernels.quant() is None:
+        pytest.skip("the kernels cannot be compiled here")
+    gen = torch.Generator().manual_seed(0)
+    probs = processed_probs(torch.randn(64, 4096, generator=gen) * 3, torch.full((64,), 0.8),
+                            torch.tensor([0, 50] * 32), torch.tensor([1.0, 0.9] * 32))
+    keys = [RequestRandom(i).key for i in range(64)]
+    positions = list(range(64))
+    compiled = race_tokens(probs, keys, positions)
+    monkeypatch.setattr(kernels, "quant", lambda: None)
+    assert torch.equal(compiled, race_tokens(probs, keys, positions))
+    assert bool((probs[torch.arange(64), compiled] > 0).all()), "a token outside top-k/top-p won"
+
+
+def test_race_winners_follow_the_distribution():
+    """Winners over many seeds against p (chi-square), and a token of probability 0 never wins."""
+    from scipy.stats import chisquare
+
+    from specdecode.sampling import RequestRandom, race_tokens
+
+    p = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05, 0.0])
+    n = 20_000
+    keys = [RequestRandom(seed).key for seed in range(n)]
+    winners = race_tokens(p.expand(n, -1).contiguous(), keys, [3] * n)
+    counts = torch.bincount(winners, minlength=6)
+    assert counts[5] == 0
+    assert chisquare(counts[:5].tolist(), (p[:5] * n).tolist()).pvalue > 1e-3
+    # The same position with uniforms for one token reused for all tokens would not be a sample of p:
+    # the winners of a position are decided by that position's noise alone.
+    again = race_tokens(p.expand(n, -1).contiguous(), keys, [3] * n)
+    assert torch.equal(winners, again)

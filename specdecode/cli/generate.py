@@ -4,6 +4,7 @@ differ, if they do)."""
 from __future__ import annotations
 
 import dataclasses
+import random
 import time
 
 from specdecode.cli.model_flags import (add_model_args, add_quantization_arg, add_sampling_args, resolve_models,
@@ -52,21 +53,22 @@ def _spec_summary(stats, config: dict) -> str:
             f"{stats.mean_accepted_len:.2f} tokens per step")
 
 
-def compare_difference(plain: str, speculative: str, params, dtype) -> str:
+def compare_difference(plain: str, speculative: str, params, target) -> str:
     """Why the plain and speculative texts of --compare differ, where they part."""
-    import torch
+    from specdecode.sampling import raced
 
     same = next((i for i, (a, b) in enumerate(zip(plain, speculative)) if a != b), min(len(plain), len(speculative)))
     where = f"the texts differ from character {same}"
-    if params.temperature > 0:
-        return (f"{where}: sampling at temperature {params.temperature:g}, plain and speculative decoding draw "
-                "different random numbers (both follow the same distribution; certify tests it)")
-    if dtype != torch.float32:
-        name = str(dtype).removeprefix("torch.")
-        return (f"{where}: in {name}, verifying several tokens in one pass and decoding one at a time round "
-                "differently (different matrix kernels), so where two tokens are almost tied the greedy choice can "
-                "flip; in float32 greedy speculative output is identical to plain decoding (--dtype float32)")
-    return f"{where}: in float32 greedy outputs must be identical; this is a bug, please report it with the command"
+    if not params.greedy and not raced(params):
+        return (f"{where}: with --sampler rejection the sampled text depends on what was drafted (both follow the "
+                "same distribution; certify tests it); the default race sampler gives one text per seed")
+    if not target.batch_invariant:
+        name = str(target.dtype).removeprefix("torch.")
+        return (f"{where}: with float weights ({name}), verifying several tokens in one pass and decoding one at a "
+                "time use different matrix kernels that can round differently, so where two tokens are almost tied "
+                "the choice can flip; block-quantized weights (a GGUF's, the default, or --quantization q8_0) run "
+                "kernels that compute every row the same way")
+    return f"{where}: with batch-invariant kernels the outputs must be identical; this is a bug, please report it"
 
 
 def cmd_generate(args) -> int:
@@ -90,6 +92,8 @@ def cmd_generate(args) -> int:
                 line += f" ({_spec_summary(stats, config)})"
             print(line)
             return 0
+        if not params.greedy and params.seed is None:  # one seed for both runs: the race then gives one text
+            params = dataclasses.replace(params, seed=random.randrange(2**31))
         plain_params = dataclasses.replace(params, use_speculation=False)
         # Warm both paths up so that neither timed run pays one-time start-up costs.
         llm.generate(prompt, dataclasses.replace(plain_params, max_tokens=2))
@@ -99,7 +103,7 @@ def cmd_generate(args) -> int:
         print(f"plain: {plain_tps:.1f} tokens/s | speculative: {spec_tps:.1f} tokens/s "
               f"({_spec_summary(stats, config)}) | speedup {spec_tps / plain_tps:.2f}x")
         if spec_text != plain_text:
-            print(compare_difference(plain_text, spec_text, params, llm.target.dtype))
+            print(compare_difference(plain_text, spec_text, params, llm.target))
         return 0
     except KeyboardInterrupt:
         print()

@@ -88,6 +88,9 @@ def add_sampling_args(p, temperature: float = 0.0, top_p: float = 1.0, max_token
                    help=f"nucleus sampling mass in (0, 1] (default {top_p:g})")
     p.add_argument("--top-k", type=int_range(0), default=0, help="keep the k most likely tokens; 0 = all (default)")
     p.add_argument("--seed", type=SEED, default=None, help="random seed for sampling")
+    p.add_argument("--sampler", choices=("auto", "race", "rejection"), default="auto",  # sampling.SAMPLERS
+                   help="auto (default): the exponential race for a seeded request (the same text with or without "
+                        "speculation), rejection sampling without a seed; race; rejection")
 
 
 def resolve_models(args) -> tuple[Path, dict | None, str]:
@@ -196,4 +199,4 @@ def sampling_params(args):
     from specdecode.sampling import SamplingParams
 
     return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                          max_tokens=args.max_tokens, seed=args.seed)
+                          max_tokens=args.max_tokens, seed=args.seed, sampler=args.sampler)

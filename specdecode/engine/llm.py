@@ -32,7 +32,8 @@ class LLM:
                  speculative_config: dict | SpeculativeConfig | str | None = None, max_num_seqs: int = 32,
                  max_model_len: int | None = None, quantization: str | None = "auto", tensor_parallel_size: int = 1,
                  draft_tensor_parallel_size: int | None = None, memory_budget: int | None = None,
-                 gpu_memory_utilization: float | None = None, threads: int | None = None):
+                 gpu_memory_utilization: float | None = None, threads: int | None = None,
+                 enable_prefix_caching: bool = True):
         """model: a model name (default: smollm2-135m-instruct, fetched on first use), a .gguf file, or a
         Hugging Face checkpoint directory.
         speculative_config: vLLM-style dict, e.g. {"method": "ngram", "num_speculative_tokens": 8}; None (default)
@@ -50,7 +51,9 @@ class LLM:
         the capacity plan (specdecode/plan.py): max_num_seqs becomes the most sequences of max_model_len that fit,
         the caches are allocated now, and a configuration where not even one fits is refused here.
         threads: CPU threads for torch (torch.set_num_threads, for the whole process; default: torch's choice; on
-        a CPU shared with other work, 1 is often fastest for a small model)."""
+        a CPU shared with other work, 1 is often fastest for a small model).
+        enable_prefix_caching: a cache slot keeps its keys and values when its request leaves, and a later prompt
+        that begins with them prefills only the rest (engine/prefix_cache.py; vLLM's name)."""
         if threads is not None:
             if not isinstance(threads, int) or threads < 1:
                 raise ConfigError(f"threads must be a positive integer, got {threads!r}")
@@ -80,6 +83,7 @@ class LLM:
         self.proposer = build_proposer(self.spec_config, self.target, self.tokenizer, dtype, self.device,
                                        self.model_dir)
         self.runner = StepRunner(self.target, self.proposer)
+        self.runner.prefix_caching = bool(enable_prefix_caching)
         controller = self.make_controller() if self.spec_config and self.spec_config.adaptive else None
         self.draft_budget = DraftBudget(self.spec_config if self.proposer is not None else None,
                                         self.max_model_len, controller)

@@ -49,6 +49,11 @@ class EngineMetrics:
         self.method = "unknown"
         """The label of the by-method counters (watch() sets the engine's)."""
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens prefilled.", registry=r)
+        self.prefix_cache_queries = Counter(PREFIX + "prefix_cache_queries",
+                                            "Prompt tokens of requests that took a cache slot (vLLM's name).",
+                                            registry=r)
+        self.prefix_cache_hits = Counter(PREFIX + "prefix_cache_hits",
+                                         "Of those, tokens whose keys and values the slot already held.", registry=r)
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.", registry=r)
         self.requests = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
                                 ["finished_reason"], registry=r)

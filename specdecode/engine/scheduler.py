@@ -48,12 +48,18 @@ class Scheduler:
         self.budget = budget
         self.totals = totals
         self.num_slots = num_slots
+        """Most sequences running at once (the runner's cache may have more slots: they stay free)."""
         self.isolate_failures = isolate_failures
-        self.free = list(range(num_slots))[::-1]
+        self.pool = runner.slots  # the cache's free slots and the prefixes they hold (shared by every scheduler)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.suspects: collections.deque[Sequence] = collections.deque()  # to step alone: their batch failed
         self.prefill_alone = 0  # the next this many sequences join one at a time: their batch's prefill failed
+
+    @property
+    def free(self) -> list[int]:
+        """The free cache slots (the runner's pool)."""
+        return self.pool.free
 
     @property
     def has_work(self) -> bool:
@@ -63,14 +69,14 @@ class Scheduler:
     def can_progress(self) -> bool:
         """Whether step() would do anything (work waiting for a slot when none is free and nothing runs is a
         leak, reported by slot_problem, not a reason to spin)."""
-        return bool(self.running or (self.waiting and self.free))
+        return bool(self.running or (self.waiting and len(self.pool)))
 
     def slot_problem(self) -> str | None:
         """None while every slot is either free or held by a running sequence."""
-        held = len(self.free) + len(self.running)
-        if held != self.num_slots or len(set(self.free)) != len(self.free):
-            return (f"cache slots leaked: {len(self.free)} free and {len(self.running)} running of "
-                    f"{self.num_slots}")
+        free = self.pool.free
+        held = len(free) + len(self.running)
+        if held != self.pool.size or len(set(free)) != len(free):
+            return f"cache slots leaked: {len(free)} free and {len(self.running)} running of {self.pool.size}"
         return None
 
     def add(self, seq: Sequence) -> None:
@@ -95,22 +101,34 @@ class Scheduler:
             self._release(seq)
         return dropped
 
-    def _release(self, seq: Sequence) -> None:
+    def _release(self, seq: Sequence, reusable: bool = True) -> None:
+        """A sequence leaves; its slot keeps what its cache rows hold for a later prompt that begins the same way
+        (reusable False: after a failure, when they may be half written)."""
         if seq in self.running:
             self.running.remove(seq)
-        if seq.slot >= 0:
-            self.free.append(seq.slot)
-            seq.slot = -1
         self.runner.release(seq)
+        if seq.slot >= 0:
+            held = int(self.runner.cache.lengths[seq.slot]) if reusable else 0
+            self.pool.give_back(seq.slot, seq.token_ids[:held])
+            seq.slot = -1
         if self.budget.controller is not None:
             self.budget.controller.forget(seq.request_id)
         self.totals.merge(seq.stats)
 
     def _take_joining(self) -> list[Sequence]:
         joining = []
-        while self.waiting and self.free and not (self.prefill_alone and joining):
-            seq = self.waiting.popleft()
-            seq.slot = self.free.pop()
+        while (self.waiting and len(self.pool) and len(self.running) + len(joining) < self.num_slots
+               and not (self.prefill_alone and joining)):
+            seq = self.waiting[0]
+            slot, reused = self.pool.choose(seq.token_ids)
+            reused = self.runner.reusable(slot, reused)
+            longest = max([len(seq.token_ids) - reused] + [len(s.token_ids) - s.reused for s in joining])
+            deepest = max([reused] + [s.reused for s in joining])
+            if joining and deepest + longest > self.runner.cache.max_len:
+                break  # it would not fit beside these: it joins in the next prefill
+            self.waiting.popleft()
+            seq.slot, _ = self.pool.take(seq.token_ids)
+            seq.reused = reused
             joining.append(seq)
         self.prefill_alone = max(0, self.prefill_alone - len(joining))
         return joining
@@ -127,13 +145,13 @@ class Scheduler:
         alone when the runner changed nothing. Returns the sequences dropped."""
         if not self.isolate_failures or len(seqs) == 1 or self.runner.mutated:
             for seq in seqs:
-                self._release(seq)
+                self._release(seq, reusable=False)
             if not self.isolate_failures:
                 raise exc
             return [(seq, exc) for seq in seqs]
         if prefill:  # give the slots back and prefill them again, one at a time
             for seq in reversed(seqs):
-                self.free.append(seq.slot)
+                self.pool.give_back(seq.slot, None)
                 seq.slot = -1
                 self.waiting.appendleft(seq)
             self.prefill_alone = len(seqs)

@@ -101,6 +101,8 @@ class Sequence:
         self.token_ids = list(prompt_ids)
         self.num_prompt = len(prompt_ids)
         self.slot = -1
+        self.reused = 0
+        """Prompt tokens whose keys and values the slot already held when this request took it (prefix caching)."""
         self.random = RequestRandom(params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,))))
         self.stats = SpecStats()
         self.eos_ids = set() if params.ignore_eos else set(eos_ids)

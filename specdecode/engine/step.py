@@ -11,6 +11,8 @@ import time
 import torch
 
 from specdecode.engine.batch import StepBatch
+from specdecode.engine.prefix_cache import SlotPool
+from specdecode.model.cache import KVCache
 from specdecode.engine.sequence import Sequence
 from specdecode.model.llama import LlamaForCausalLM
 from specdecode.sampling import (DRAW, params_tensors, position_uniforms, processed_probs, race_tokens, raced,
@@ -53,6 +55,10 @@ class StepRunner:
         """Whether the last prefill or step got as far as changing the cache or the sequences (if it raised before
         that, running it again is safe)."""
         self.joined: set[str] = set()  # requests the proposer holds
+        self.prefix_caching = True
+        """Whether a request may reuse the keys and values a free slot holds of its prompt (engine/prefix_cache.py)."""
+        self.slots = SlotPool(0)
+        """The cache's free slots and what they hold (rebuilt empty with the cache)."""
         # Target hidden states the proposer reads (EAGLE, Medusa), taken from the passes that verify.
         self.features = proposer.feature_request if proposer is not None else NO_FEATURES
 
@@ -61,7 +67,14 @@ class StepRunner:
         self.max_len = max_len
         need = max_len + tree_size + 2
         if self.cache is None or self.cache.num_slots < slots or self.cache.max_len < need:
-            self.cache = self.target.make_cache(slots, need)
+            old = self.cache
+            self.cache = self.target.make_cache(max(slots, old.num_slots if old else 0),
+                                                max(need, old.max_len if old else 0))
+            if type(old) is not KVCache or type(self.cache) is not KVCache:  # (tensor-parallel caches start empty)
+                self.slots = SlotPool(self.cache.num_slots, self.prefix_caching)
+            else:  # a larger cache keeps what the old one held, so the prefixes free slots hold stay reusable
+                old.copy_into(self.cache)
+                self.slots.grow(self.cache.num_slots)
         if self.proposer is not None:
             self.proposer.ensure_cache(slots, need)
 
@@ -72,10 +85,13 @@ class StepRunner:
         device = self.target.device
         start = time.perf_counter()
         slots = torch.tensor([s.slot for s in seqs])
-        self.cache.reset(slots)
-        lens = [len(s.token_ids) for s in seqs]
+        for seq in seqs:  # (seq.reused: what the slot held, within reusable(); the scheduler set it)
+            self.slots.stats.queries += len(seq.token_ids)
+            self.slots.stats.hits += seq.reused
+        self.cache.rollback(slots, torch.tensor([s.reused for s in seqs]))
+        lens = [len(s.token_ids) - s.reused for s in seqs]  # positions this prefill runs
         width = max(lens)
-        ids = torch.tensor([s.token_ids + [0] * (width - len(s.token_ids)) for s in seqs], device=device)
+        ids = torch.tensor([s.token_ids[s.reused:] + [0] * (width - n) for s, n in zip(seqs, lens)], device=device)
         out = self.target(ids, cache=self.cache, slots=slots, compute_logits=False, hidden_layers=self.features.layers)
         hidden = out.hidden
         last = hidden[torch.arange(len(seqs), device=device), torch.tensor(lens, device=device) - 1]  # [B, D]
@@ -102,6 +118,12 @@ class StepRunner:
             self.proposer.add(joining)
             self.joined.update(s.request_id for s in joining)
         return time.perf_counter() - start
+
+    def reusable(self, slot: int, held: int) -> int:
+        """Of the `held` leading positions a free slot's target cache holds for a new prompt, how many a prefill may
+        keep: a proposer that reads target features and keeps per-position state of its own may hold fewer."""
+        limit = self.proposer.held_prefix(slot) if self.features.wanted else None
+        return held if limit is None else min(held, limit)
 
     def release(self, seq: Sequence) -> None:
         """A sequence leaves: free what the proposer holds for it."""

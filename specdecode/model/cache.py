@@ -89,3 +89,11 @@ class KVCache:
 
     def reset(self, slots: torch.Tensor) -> None:
         self.rollback(slots, 0)
+
+    def copy_into(self, other: "KVCache") -> None:
+        """Copy every slot's rows and length into a cache with at least as many slots and positions."""
+        S, L = self.num_slots, self.max_len
+        for k, v, k2, v2 in zip(self.k, self.v, other.k, other.v):
+            k2[:S, :, :, :L] = k
+            v2[:S, :, :L] = v
+        other.lengths[:S] = self.lengths

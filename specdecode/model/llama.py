@@ -201,6 +201,16 @@ class LlamaForCausalLM(nn.Module):
         self.__dict__["_fused_layers"] = prepared
         return prepared
 
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether a row's numbers in a cached forward are the same whatever else shares the pass (its own drafts,
+        other requests, a prefill in chunks): every layer runs through the fused kernels and the output head is
+        block-quantized too; kernels/quant.cpp computes each output the same way for any number of rows. Float
+        weights run oneDNN's matrix kernels, whose rounding depends on the number of rows."""
+        from specdecode.model.quant import QuantLinear
+
+        return isinstance(self.lm_head, QuantLinear) and self.fused_layers(self.make_cache(1, 1)) is not None
+
     def make_cache(self, slots: int, max_len: int) -> KVCache:
         c = self.config
         kv_heads = self.model.layers[0].self_attn.num_kv_heads  # this rank's share under tensor parallelism

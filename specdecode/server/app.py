@@ -112,7 +112,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
                               f"and max_tokens is {max_tokens}: ask for at most {room} tokens or shorten the prompt",
                               "max_tokens")
         fields = {"max_tokens": max_tokens, "stop": req.stop, "seed": req.seed, "ignore_eos": req.ignore_eos,
-                  "use_speculation": req.use_speculation}
+                  "use_speculation": req.use_speculation, "sampler": req.sampler}
         for name in ("temperature", "top_p", "top_k"):
             if getattr(req, name) is not None:
                 fields[name] = getattr(req, name)

@@ -67,6 +67,9 @@ class _Request(BaseModel):
     """specdecode extension: keep generating after an end-of-sequence token."""
     use_speculation: bool = True
     """specdecode extension: false decodes this request without speculation."""
+    sampler: Literal["auto", "race", "rejection"] = "auto"
+    """specdecode extension: SamplingParams.sampler (auto: the exponential race when seeded, so a seed gives one
+    text with or without speculation)."""
 
     def check_supported(self) -> None:
         if self.n not in (None, 1):

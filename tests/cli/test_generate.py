@@ -161,12 +161,19 @@ def test_default_model_answers(smollm2, capsys):
 
 
 def test_compare_says_why_two_texts_differ():
+    from types import SimpleNamespace
+
     import torch
 
     from specdecode.cli.generate import compare_difference
     from specdecode.sampling import SamplingParams
 
-    greedy, sampled = SamplingParams(temperature=0), SamplingParams(temperature=0.8)
-    assert "from character 4: in bfloat16" in compare_difference("abc d", "abc e", greedy, torch.bfloat16)
-    assert "different random numbers" in compare_difference("ab", "ac", sampled, torch.bfloat16)
-    assert "this is a bug" in compare_difference("ab", "abc", greedy, torch.float32)
+    float_weights = SimpleNamespace(batch_invariant=False, dtype=torch.bfloat16)
+    kernels = SimpleNamespace(batch_invariant=True, dtype=torch.float32)
+    greedy, seeded = SamplingParams(temperature=0), SamplingParams(temperature=0.8, seed=1)
+    rejection = SamplingParams(temperature=0.8, seed=1, sampler="rejection")
+    assert "from character 4: with float weights (bfloat16)" in compare_difference("abc d", "abc e", greedy,
+                                                                                   float_weights)
+    assert "depends on what was drafted" in compare_difference("ab", "ac", rejection, kernels)
+    assert "this is a bug" in compare_difference("ab", "abc", greedy, kernels)
+    assert "this is a bug" in compare_difference("ab", "ac", seeded, kernels)

@@ -127,7 +127,7 @@ def draft(root, k, drafts=1):
 
 
 PARAMS = {"t1": SamplingParams(temperature=1.0), "t0.7_top_p0.9": SamplingParams(temperature=0.7, top_p=0.9)}
-"""Sampled settings (the default sampler: the race)."""
+"""Sampled settings (the default sampler, "auto": the race, since every request here is seeded)."""
 
 
 def rejection(params: SamplingParams) -> SamplingParams:
@@ -135,8 +135,13 @@ def rejection(params: SamplingParams) -> SamplingParams:
     return dataclasses.replace(params, sampler="rejection")
 
 
-SAMPLERS = {"race": lambda p: p, "rejection": rejection}
-BOTH = {"t1_race": PARAMS["t1"], "t0.7_top_p0.9_rejection": rejection(PARAMS["t0.7_top_p0.9"])}
+def race(params: SamplingParams) -> SamplingParams:
+    """The same settings, drawn by the exponential race and verified by identity."""
+    return dataclasses.replace(params, sampler="race")
+
+
+SAMPLERS = {"race": race, "rejection": rejection}
+BOTH = {"t1_race": race(PARAMS["t1"]), "t0.7_top_p0.9_rejection": rejection(PARAMS["t0.7_top_p0.9"])}
 """One setting per sampler, for the methods' own end-to-end tests."""
 CASES = {  # name: (speculative_config, sampling parameters, sampler)
     # One draft token per step: the first three tokens are the prefill token, then either the draft and its bonus

@@ -30,6 +30,9 @@ class Sequence(Protocol):
     """Prompt and output so far; the last one is the pending token the next step's tree hangs from."""
     slot: int
     """Its row in the batched caches (the target's and any the proposer keeps per slot)."""
+    reused: int
+    """Leading tokens whose target keys and values its slot already held from an earlier request (prefix caching):
+    the prefill ran only the rest, and a feature reader got features for the rest only."""
     params: "SamplingParams"
     """Its sampling options (drafts at T > 0 sample from the processed draft distribution)."""
 
@@ -128,6 +131,11 @@ class Proposer(Protocol):
 
     def add(self, seqs: list["Sequence"]) -> None:
         """Sequences join (their prompts and first tokens are known)."""
+
+    def held_prefix(self, slot: int) -> int | None:
+        """Only for proposers that read target features: how many leading positions of `slot` its own state still
+        holds from the slot's last request (a prefill then reuses at most that many target positions), or None
+        when it keeps nothing per position."""
 
     def remove(self, seq: "Sequence") -> None:
         """A sequence leaves; free what the proposer holds for it (also called for sequences that never joined

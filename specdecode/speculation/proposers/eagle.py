@@ -64,6 +64,7 @@ class EagleProposer:
         self.layer = target_layers - 1
         self.cache = None
         self.unread: dict[str, list[torch.Tensor]] = {}  # request -> target features [n, D] not yet in the head's cache
+        self.added: set[str] = set()  # requests whose entries are in the head's cache
 
     def ensure_cache(self, slots: int, max_len: int) -> None:
         need = max_len + self.config.topk * self.config.max_depth + 2
@@ -79,6 +80,10 @@ class EagleProposer:
 
     def remove(self, seq) -> None:
         self.unread.pop(seq.request_id, None)
+        if seq.request_id in self.added:
+            self.added.discard(seq.request_id)
+        elif self.cache is not None and 0 <= seq.slot < self.cache.num_slots:
+            self.cache.lengths[seq.slot] = 0  # the slot's entries are an older request's: nothing to reuse
 
     def observe(self, seqs, trees, results) -> None:
         """Nothing to keep: drafted entries carry predicted features; the accepted tokens are re-read next step
@@ -117,9 +122,16 @@ class EagleProposer:
         return out
 
     @torch.no_grad()
+    def held_prefix(self, slot: int) -> int:
+        """Entries j < n of the slot's head cache hold (x_{j+1}, f_j) of its last request: a new request sharing
+        its first n + 1 tokens may keep them, and the target then reruns its prompt from position n."""
+        return int(self.cache.lengths[slot]) if self.cache is not None and slot < self.cache.num_slots else 0
+
     def add(self, seqs) -> None:
-        """The head's prefill: every committed entry but the last (whose output proposes the first tree)."""
-        self.cache.reset(torch.tensor([s.slot for s in seqs]))
+        """The head's prefill: every committed entry but the last (whose output proposes the first tree), after the
+        entries a reused prefix left in the slot (Sequence.reused: the target's features start there)."""
+        self.cache.rollback(torch.tensor([s.slot for s in seqs]), torch.tensor([s.reused for s in seqs]))
+        self.added.update(s.request_id for s in seqs)
         tokens, feats = self._tails(seqs, keep_last=True)
         rows = [b for b, t in enumerate(tokens) if t]
         if rows:

@@ -103,6 +103,10 @@ def read_accuracy(folder: Path, num_heads: int) -> list[list[float]]:
 class MedusaProposer(WithoutDraftCache):
     feature_request = FeatureRequest(final=True)
 
+    def held_prefix(self, slot: int) -> None:
+        """The heads read only the last hidden state: any reused prefix will do."""
+        return None
+
     def __init__(self, config: MedusaConfig, heads: MedusaHeads, accuracy: list[list[float]]):
         self.config = config
         self.heads = heads

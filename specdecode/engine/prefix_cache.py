@@ -1,0 +1,81 @@
+"""Prefix caching: a cache slot keeps its keys and values after its request leaves, and a new request whose prompt
+begins with what a free slot holds takes that slot and prefills only the rest.
+
+The caches are preallocated (one row of max_len positions per slot), so what is kept is bounded by the free slots:
+taking a slot for a request evicts whatever it held, and the pool gives away the least recently released content
+first. A chat's next turn (the history, the model's answer, a new message) finds the slot its previous turn left;
+requests that share a long system prompt find it in any slot an earlier one of them left. The reused positions are
+the target's own keys and values for the same tokens: with the batch-invariant kernels (the default) they are the
+numbers a fresh prefill would compute, bit for bit, so outputs are the same with the cache on or off.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class PrefixStats:
+    """Counted by every prefill (Prometheus: specdecode:prefix_cache_queries_total / _hits_total)."""
+
+    queries: int = 0
+    """Prompt tokens of the requests that took a slot."""
+    hits: int = 0
+    """Of those, tokens whose keys and values were reused instead of prefilled."""
+
+
+class SlotPool:
+    """The free cache slots and what each one still holds (token ids whose keys and values are in it)."""
+
+    def __init__(self, num_slots: int, enabled: bool = True):
+        self.size = num_slots
+        self.enabled = enabled
+        self.free: list[int] = list(range(num_slots))
+        """Free slots, least recently released first."""
+        self.held: dict[int, list[int]] = {}
+        """Free slot -> the tokens its cache rows hold (positions 0..len-1); absent = nothing reusable."""
+        self.stats = PrefixStats()
+
+    def grow(self, num_slots: int) -> None:
+        """The cache was enlarged (its rows copied over): the new slots are free and empty."""
+        self.free += list(range(self.size, num_slots))
+        self.size = num_slots
+
+    def __len__(self) -> int:
+        return len(self.free)
+
+    def take(self, prompt: list[int]) -> tuple[int, int]:
+        """A free slot for a request with this prompt, and how many of its first tokens that slot already holds
+        (at most len(prompt) - 1: the last prompt token is always run, for its logits)."""
+        slot, reused = self.choose(prompt)
+        self.free.remove(slot)
+        self.held.pop(slot, None)
+        return slot, reused
+
+    def choose(self, prompt: list[int]) -> tuple[int, int]:
+        """What take(prompt) would return, taking nothing."""
+        best, best_len = None, 0
+        if self.enabled:
+            for slot in self.free:
+                n = common_prefix(self.held.get(slot, ()), prompt)
+                if n > best_len:
+                    best, best_len = slot, n
+        if best is None:  # nothing to reuse: an empty slot if there is one, else the oldest content goes
+            best = next((s for s in self.free if s not in self.held), self.free[0])
+        return best, min(best_len, len(prompt) - 1)
+
+    def give_back(self, slot: int, tokens: list[int] | None) -> None:
+        """A slot is free again; tokens: what its rows now hold (None: nothing reusable, e.g. after a failure)."""
+        self.free.append(slot)
+        if tokens and self.enabled:
+            self.held[slot] = list(tokens)
+        else:
+            self.held.pop(slot, None)
+
+
+def common_prefix(a, b) -> int:
+    """Length of the longest common prefix of two token sequences."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

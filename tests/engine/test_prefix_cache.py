@@ -1,0 +1,95 @@
+"""Prefix caching: a free slot's keys and values are reused by a prompt that begins the same way, and outputs are the
+same with it on or off (bitwise with the quantized kernels; float32 oneDNN too on these prompts), for plain
+decoding and for methods with caches of their own (the draft model, EAGLE's head)."""
+import pytest
+
+from specdecode.engine.llm import LLM
+from specdecode.engine.prefix_cache import SlotPool, common_prefix
+from specdecode.model.quant import kernels
+from specdecode.sampling import SamplingParams
+
+from tests.speculation.test_eagle import one_layer  # noqa: F401  (a fixture: a target and an EAGLE head that fits)
+
+SYSTEM = "def helper(x):\n    return x * 2\n\n" * 6
+QUESTIONS = ["class Point:", "import os", "for i in range(3):", "def add(a, b):"]
+
+
+def test_pool_takes_the_longest_held_prefix_and_evicts_the_oldest():
+    pool = SlotPool(3)
+    assert pool.take([1, 2, 3]) == (0, 0)  # nothing held: the first empty slot
+    assert pool.take([5, 6]) == (1, 0)
+    pool.give_back(0, [1, 2, 3, 4])
+    pool.give_back(1, [1, 2, 9])
+    assert pool.take([1, 2, 3, 4, 7]) == (0, 4)  # slot 0 holds 4 of its tokens, slot 1 only 2
+    assert pool.take([1, 2, 3]) == (1, 2)  # at most len - 1: the last prompt token is run for its logits
+    pool.give_back(0, [8, 8])
+    pool.give_back(1, None)  # a failure: nothing reusable
+    assert pool.take([4]) == (2, 0)  # an empty slot before evicting anything
+    assert pool.take([4]) == (1, 0)  # then the one that holds nothing
+    assert pool.take([8, 8, 8]) == (0, 2)
+    pool.give_back(2, [3])
+    pool.grow(5)
+    assert pool.size == 5 and sorted(pool.free) == [2, 3, 4]
+    off = SlotPool(2, enabled=False)
+    off.give_back(off.take([1, 2])[0], [1, 2])
+    assert off.take([1, 2, 3])[1] == 0
+    assert common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2 and common_prefix([], [1]) == 0
+
+
+def chat_turns(llm: LLM, turns: int = 3, max_tokens: int = 12) -> list[list[int]]:
+    """A conversation whose every turn is the last prompt, its answer and a new question (greedy)."""
+    prompt, answers = SYSTEM, []
+    for question in QUESTIONS[:turns]:
+        prompt += question
+        out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))[0]
+        answers.append(out.outputs[0].token_ids)
+        prompt += out.outputs[0].text + "\n"
+    return answers
+
+
+def shared_system_prompt(llm: LLM) -> list[list[int]]:
+    """Two waves of requests with one long system prompt: the second finds it in the slots the first left."""
+    params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=10, ignore_eos=True)]
+    outs = []
+    for wave in range(2):
+        prompts = [SYSTEM + q + str(wave) for q in QUESTIONS]
+        outs += [o.outputs[0].token_ids for o in llm.generate(prompts, params * 2)]
+    return outs
+
+
+QUANTIZATIONS = ["none", "q4_1"]
+
+
+@pytest.mark.parametrize("quantization", QUANTIZATIONS)
+@pytest.mark.parametrize("method", ["plain", "draft_model", "ngram"])
+def test_outputs_are_the_same_with_prefix_caching_on_and_off(tiny_models, method, quantization):
+    if quantization != "none" and kernels() is None:
+        pytest.skip("the quantized kernels cannot be compiled here")
+    config = {"plain": None, "ngram": {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False},
+              "draft_model": {"model": str(tiny_models["draft"]), "num_speculative_tokens": 3, "adaptive": False}}
+    results = {}
+    for on in (True, False):
+        llm = LLM(tiny_models["target"], dtype="float32", quantization=quantization, max_num_seqs=4,
+                  speculative_config=config[method], enable_prefix_caching=on)
+        results[on] = (chat_turns(llm), shared_system_prompt(llm))
+        stats = llm.runner.slots.stats
+        if on:
+            assert stats.hits > 0.5 * stats.queries, "later turns and the second wave must reuse their prefixes"
+        else:
+            assert stats.hits == 0
+    assert results[True] == results[False]
+
+
+def test_eagle_keeps_its_own_entries_of_a_reused_prefix(one_layer):  # noqa: F811
+    config = {"method": "eagle", "model": str(one_layer / "copy"), "num_speculative_tokens": 3, "adaptive": False}
+    results, accepted = {}, {}
+    for on in (True, False):
+        llm = LLM(str(one_layer / "target"), dtype="float32", max_num_seqs=4, speculative_config=config,
+                  enable_prefix_caching=on)
+        results[on] = (chat_turns(llm), shared_system_prompt(llm))
+        accepted[on] = llm.total_stats.accepted_tokens / llm.total_stats.steps
+        assert (llm.runner.slots.stats.hits > 0) == on
+    assert results[True] == results[False]
+    # The head reads its reused entries rather than starting blind: it accepts as much as without the cache.
+    assert accepted[True] >= 0.9 * accepted[False]
