@@ -55,6 +55,9 @@ def register(sub) -> None:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the keys and values a free cache slot holds of a new prompt's beginning: a chat's "
                         "next turn, a shared system prompt (default on)")
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="prefill a long prompt that arrives while others decode in chunks between their steps "
+                        "(default on)")
     p.add_argument("--memory-fraction", type=float_range(0.0, 1.0, lo_open=True), default=None,
                    help="on a CPU: the share of the memory available now that the server may plan for "
                         f"(default {DEFAULT_MEMORY_FRACTION})")
@@ -216,7 +219,8 @@ def cmd_serve(args) -> int:
     llm_kwargs = dict(model=model_dir, dtype=args.dtype, device=args.device, speculative_config=config,
                       quantization=args.quantization,
                       max_num_seqs=args.max_num_seqs or DEFAULT_MAX_NUM_SEQS, max_model_len=args.max_model_len,
-                      enable_prefix_caching=args.enable_prefix_caching, **scaleout_kwargs(args))
+                      enable_prefix_caching=args.enable_prefix_caching,
+                      enable_chunked_prefill=args.enable_chunked_prefill, **scaleout_kwargs(args))
     name = args.served_model_name or model_name
     if replicas:  # Ray Serve: each replica builds its engine
         from specdecode.server.ray_serve import ReplicaSettings, deployment_settings, serve_replicas

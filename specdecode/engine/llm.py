@@ -33,7 +33,7 @@ class LLM:
                  max_model_len: int | None = None, quantization: str | None = "auto", tensor_parallel_size: int = 1,
                  draft_tensor_parallel_size: int | None = None, memory_budget: int | None = None,
                  gpu_memory_utilization: float | None = None, threads: int | None = None,
-                 enable_prefix_caching: bool = True):
+                 enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True):
         """model: a model name (default: smollm2-135m-instruct, fetched on first use), a .gguf file, or a
         Hugging Face checkpoint directory.
         speculative_config: vLLM-style dict, e.g. {"method": "ngram", "num_speculative_tokens": 8}; None (default)
@@ -53,7 +53,9 @@ class LLM:
         threads: CPU threads for torch (torch.set_num_threads, for the whole process; default: torch's choice; on
         a CPU shared with other work, 1 is often fastest for a small model).
         enable_prefix_caching: a cache slot keeps its keys and values when its request leaves, and a later prompt
-        that begins with them prefills only the rest (engine/prefix_cache.py; vLLM's name)."""
+        that begins with them prefills only the rest (engine/prefix_cache.py; vLLM's name).
+        enable_chunked_prefill: a long prompt that arrives while other requests decode is prefilled in chunks of
+        about one step's time between their steps, instead of stalling them for its whole prefill."""
         if threads is not None:
             if not isinstance(threads, int) or threads < 1:
                 raise ConfigError(f"threads must be a positive integer, got {threads!r}")
@@ -84,6 +86,7 @@ class LLM:
                                        self.model_dir)
         self.runner = StepRunner(self.target, self.proposer)
         self.runner.prefix_caching = bool(enable_prefix_caching)
+        self.runner.chunked_prefill = bool(enable_chunked_prefill)
         controller = self.make_controller() if self.spec_config and self.spec_config.adaptive else None
         self.draft_budget = DraftBudget(self.spec_config if self.proposer is not None else None,
                                         self.max_model_len, controller)

@@ -21,6 +21,9 @@ class PrefixStats:
     """Prompt tokens of the requests that took a slot."""
     hits: int = 0
     """Of those, tokens whose keys and values were reused instead of prefilled."""
+    chunks: int = 0
+    """Chunks of long prompts prefilled between other sequences' steps (chunked prefill; the last one of each
+    prompt is its ordinary prefill and is not counted)."""
 
 
 class SlotPool:

@@ -103,6 +103,8 @@ class Sequence:
         self.slot = -1
         self.reused = 0
         """Prompt tokens whose keys and values the slot already held when this request took it (prefix caching)."""
+        self.prefilled = 0
+        """Prompt tokens in its cache so far (reused, then chunks of a long prompt; the last prefill runs the rest)."""
         self.random = RequestRandom(params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,))))
         self.stats = SpecStats()
         self.eos_ids = set() if params.ignore_eos else set(eos_ids)

@@ -55,6 +55,8 @@ class StepRunner:
         """Whether the last prefill or step got as far as changing the cache or the sequences (if it raised before
         that, running it again is safe)."""
         self.joined: set[str] = set()  # requests the proposer holds
+        self.chunked_prefill = True
+        """Whether a long prompt arriving while others decode is prefilled in chunks between their steps."""
         self.prefix_caching = True
         """Whether a request may reuse the keys and values a free slot holds of its prompt (engine/prefix_cache.py)."""
         self.slots = SlotPool(0)
@@ -88,10 +90,11 @@ class StepRunner:
         for seq in seqs:  # (seq.reused: what the slot held, within reusable(); the scheduler set it)
             self.slots.stats.queries += len(seq.token_ids)
             self.slots.stats.hits += seq.reused
-        self.cache.rollback(slots, torch.tensor([s.reused for s in seqs]))
-        lens = [len(s.token_ids) - s.reused for s in seqs]  # positions this prefill runs
+        self.cache.rollback(slots, torch.tensor([s.prefilled for s in seqs]))
+        lens = [len(s.token_ids) - s.prefilled for s in seqs]  # positions this prefill runs
         width = max(lens)
-        ids = torch.tensor([s.token_ids[s.reused:] + [0] * (width - n) for s, n in zip(seqs, lens)], device=device)
+        ids = torch.tensor([s.token_ids[s.prefilled:] + [0] * (width - n) for s, n in zip(seqs, lens)],
+                           device=device)
         out = self.target(ids, cache=self.cache, slots=slots, compute_logits=False, hidden_layers=self.features.layers)
         hidden = out.hidden
         last = hidden[torch.arange(len(seqs), device=device), torch.tensor(lens, device=device) - 1]  # [B, D]
@@ -118,6 +121,21 @@ class StepRunner:
             self.proposer.add(joining)
             self.joined.update(s.request_id for s in joining)
         return time.perf_counter() - start
+
+    @torch.inference_mode()
+    def prefill_chunk(self, seq: Sequence, tokens: int) -> None:
+        """Run the next `tokens` tokens of a long prompt into its cache (no token is drawn: the last part goes
+        through prefill()). Between chunks the other sequences keep decoding."""
+        self.mutated = False
+        slot = torch.tensor([seq.slot])
+        self.cache.rollback(slot, seq.prefilled)
+        ids = torch.tensor([seq.token_ids[seq.prefilled:seq.prefilled + tokens]], device=self.target.device)
+        out = self.target(ids, cache=self.cache, slots=slot, compute_logits=False, hidden_layers=self.features.layers)
+        self.cache.advance(slot, tokens)
+        self.mutated = True
+        seq.prefilled += tokens
+        if self.features.wanted:
+            self.proposer.observe_target([seq], TargetFeatures.select(out, self.features, [tokens]))
 
     def reusable(self, slot: int, held: int) -> int:
         """Of the `held` leading positions a free slot's target cache holds for a new prompt, how many a prefill may

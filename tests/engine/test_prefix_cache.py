@@ -93,3 +93,51 @@ def test_eagle_keeps_its_own_entries_of_a_reused_prefix(one_layer):  # noqa: F81
     assert results[True] == results[False]
     # The head reads its reused entries rather than starting blind: it accepts as much as without the cache.
     assert accepted[True] >= 0.9 * accepted[False]
+
+
+# -- chunked prefill ----------------------------------------------------------------------------------------------
+
+def long_prompt_among_others(llm: LLM) -> list[list[int]]:
+    """Two short requests and a long one that gets a slot only when the shorter of them finishes, so that it is
+    prefilled while the other decodes."""
+    prompts = ["def add(a, b):", "import os", SYSTEM * 2 + "class Point:"]
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=1, max_tokens=6, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=2, max_tokens=12, ignore_eos=True)]
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    import specdecode.engine.scheduler as scheduler_module
+
+    monkeypatch.setattr(scheduler_module, "CHUNKED_PREFILL_ABOVE", 16)
+    monkeypatch.setattr(scheduler_module, "MIN_CHUNK", 8)
+    monkeypatch.setattr(scheduler_module, "FIRST_CHUNK", 8)
+
+
+@pytest.mark.parametrize("quantization", QUANTIZATIONS)
+@pytest.mark.parametrize("method", ["plain", "draft_model"])
+def test_chunked_prefill_changes_no_output(tiny_models, small_chunks, method, quantization):
+    if quantization != "none" and kernels() is None:
+        pytest.skip("the quantized kernels cannot be compiled here")
+    config = None if method == "plain" else {"model": str(tiny_models["draft"]), "num_speculative_tokens": 3,
+                                             "adaptive": False}
+    results = {}
+    for on in (True, False):
+        llm = LLM(tiny_models["target"], dtype="float32", quantization=quantization, max_num_seqs=2,
+                  speculative_config=config, enable_chunked_prefill=on, enable_prefix_caching=False)
+        results[on] = long_prompt_among_others(llm)
+        assert (llm.runner.slots.stats.chunks > 0) == on, "the long prompt must come in chunks"
+    assert results[True] == results[False]
+
+
+def test_chunked_prefill_feeds_eagle_every_chunk(one_layer, small_chunks):  # noqa: F811
+    config = {"method": "eagle", "model": str(one_layer / "copy"), "num_speculative_tokens": 3, "adaptive": False}
+    results = {}
+    for on in (True, False):
+        llm = LLM(str(one_layer / "target"), dtype="float32", max_num_seqs=2, speculative_config=config,
+                  enable_chunked_prefill=on)
+        results[on] = long_prompt_among_others(llm)
+        assert (llm.runner.slots.stats.chunks > 0) == on
+    assert results[True] == results[False]
