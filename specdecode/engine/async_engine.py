@@ -119,6 +119,8 @@ class AsyncEngine:
             llm.controller.fixed_k = llm.spec_config.num_speculative_tokens
         self.scheduler = llm.make_scheduler(llm.max_num_seqs, isolate_failures=True)
         self.metrics = EngineMetrics(max_positions=max(tree, 1))
+        self.metrics.watch(self.scheduler, llm.max_model_len,
+                           llm.spec_config.method if llm.proposer is not None else None)
         self._cond = threading.Condition()
         self._incoming: list[RequestStream] = []
         self._aborts: list[str] = []

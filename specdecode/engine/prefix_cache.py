@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from specdecode.model.cache import common_prefix
+
 
 @dataclasses.dataclass
 class PrefixStats:
@@ -74,11 +76,3 @@ class SlotPool:
         else:
             self.held.pop(slot, None)
 
-
-def common_prefix(a, b) -> int:
-    """Length of the longest common prefix of two token sequences."""
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i

@@ -97,3 +97,12 @@ class KVCache:
             k2[:S, :, :, :L] = k
             v2[:S, :, :L] = v
         other.lengths[:S] = self.lengths
+
+
+def common_prefix(a, b) -> int:
+    """Length of the longest common prefix of two token sequences (how much of a slot's rows a prompt can keep)."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

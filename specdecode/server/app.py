@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP API over an AsyncEngine: /v1/completions, /v1/chat/completions (both with
-"stream": true as server-sent events), /v1/models, /health and Prometheus /metrics.
+"stream": true as server-sent events), /v1/models, /health, Prometheus /metrics and the live /dashboard (with
+/dashboard/data, server/dashboard.py).
 
 Every request is checked before the engine sees it (Guard: host, key, content type, body size; ServerLimits and
 the request models: everything else); anything wrong is a 4xx in OpenAI's error format. Parsing, chat template

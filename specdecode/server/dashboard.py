@@ -25,10 +25,9 @@ _CSP = ("default-src 'none'; script-src 'self'; connect-src 'self'; style-src 'u
 
 
 def install(app: FastAPI, engine: AsyncEngine, model_name: str) -> None:
-    """Add the dashboard's routes, and have the engine's metrics read its KV cache use (also shown on /metrics)."""
+    """Add the dashboard's routes (the engine's metrics already read its KV cache use: AsyncEngine.__init__)."""
     llm = engine.llm
     method = llm.spec_config.method if llm.proposer is not None else None
-    engine.metrics.watch(engine.scheduler, llm.max_model_len, method)
     static = resources.files("specdecode.server") / "static"
     page = (static / "dashboard.html").read_text(encoding="utf-8")
     script = (static / "dashboard.js").read_text(encoding="utf-8")

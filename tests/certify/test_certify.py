@@ -38,9 +38,12 @@ def engine(pair, kind: str) -> LLM:
 
 
 def run(pair, kind, samples=DEFAULT_SAMPLES, sampler="race", **params):
-    report = certify(engine(pair, kind), CertifyConfig(samples=samples, prompts="builtin", sampler=sampler, **params))
+    llm = engine(pair, kind)
+    report = certify(llm, CertifyConfig(samples=samples, prompts="builtin", sampler=sampler, **params))
     assert report.draft_tokens > samples // 2 and report.accepted_tokens > 0.05 * report.draft_tokens, \
         "the run must draft on most steps and accept some drafts, or it tests nothing"
+    # Requests cycle through 24 prompts with prefix caching on (the default): later ones reuse earlier prompts.
+    assert llm.runner.slots.stats.hits > 0, "certify runs with prefix caching on, and it must be used"
     return report.verdict
 
 

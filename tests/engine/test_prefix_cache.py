@@ -4,7 +4,8 @@ decoding and for methods with caches of their own (the draft model, EAGLE's head
 import pytest
 
 from specdecode.engine.llm import LLM
-from specdecode.engine.prefix_cache import SlotPool, common_prefix
+from specdecode.engine.prefix_cache import SlotPool
+from specdecode.model.cache import common_prefix
 from specdecode.model.quant import kernels
 from specdecode.sampling import SamplingParams
 
@@ -76,6 +77,8 @@ def test_outputs_are_the_same_with_prefix_caching_on_and_off(tiny_models, method
         stats = llm.runner.slots.stats
         if on:
             assert stats.hits > 0.5 * stats.queries, "later turns and the second wave must reuse their prefixes"
+            if method == "draft_model":
+                assert llm.proposer.kept_tokens > 0, "the draft keeps its own keys and values of a prefix too"
         else:
             assert stats.hits == 0
     assert results[True] == results[False]

@@ -11,6 +11,7 @@ import torch
 
 from specdecode.errors import ConfigError
 from specdecode.speculation.methods import Method
+from specdecode.model.cache import common_prefix
 from specdecode.model.llama import LlamaForCausalLM
 from specdecode.sampling import params_tensors, processed_probs, race_tokens, sample_rows
 from specdecode.speculation.proposers.base import NO_FEATURES
@@ -58,30 +59,50 @@ class DraftModelProposer:
         self.model = model
         self.cache = None
         self.draft_len: dict[str, int] = {}  # request -> tokens committed in the draft cache
+        self.held: dict[int, list[int]] = {}  # slot -> the tokens its rows hold from the request that left it
+        self.kept_tokens = 0  # prompt tokens whose draft keys and values a slot held (not prefilled again)
         self.pending: dict[str, _Pending] = {}
 
     def ensure_cache(self, slots: int, max_len: int) -> None:
         extra = 2 + self.config.num_drafts * self.config.num_speculative_tokens
         if self.cache is None or self.cache.num_slots < slots or self.cache.max_len < max_len + extra:
             self.cache = self.model.make_cache(slots, max_len + extra)
+            self.held.clear()
 
     @torch.no_grad()
     def add(self, seqs) -> None:
-        """Prefill the draft's cache with every token but the pending one, as in the target's cache."""
+        """Prefill the draft's cache with every token but the pending one, as in the target's cache, after the
+        beginning its slot still holds from the request that used it last (prefix caching)."""
+        fresh = []
+        for seq in seqs:
+            n = len(seq.token_ids) - 1
+            keep = min(common_prefix(self.held.pop(seq.slot, ()), seq.token_ids), n)
+            if keep:  # rows that keep different prefixes run alone: padding them together could overrun the rows
+                self._prefill([seq], [keep])
+                self.kept_tokens += keep
+            else:
+                fresh.append(seq)
+        if fresh:
+            self._prefill(fresh, [0] * len(fresh))
+
+    def _prefill(self, seqs, keep: list[int]) -> None:
         slots = torch.tensor([s.slot for s in seqs])
-        self.cache.reset(slots)
-        lens = [len(s.token_ids) - 1 for s in seqs]
+        self.cache.rollback(slots, torch.tensor(keep))
+        lens = [len(s.token_ids) - 1 - k for s, k in zip(seqs, keep)]
         width = max(lens)
-        ids = torch.tensor([s.token_ids[:n] + [0] * (width - n) for s, n in zip(seqs, lens)],
-                           device=self.model.device)  # [B, width], padding is never committed
-        self.model(ids, cache=self.cache, slots=slots, compute_logits=False)
-        self.cache.advance(slots, torch.tensor(lens))
-        for seq, n in zip(seqs, lens):
-            self.draft_len[seq.request_id] = n
+        if width:
+            ids = torch.tensor([s.token_ids[k:k + n] + [0] * (width - n) for s, k, n in zip(seqs, keep, lens)],
+                               device=self.model.device)  # [B, width], padding is never committed
+            self.model(ids, cache=self.cache, slots=slots, compute_logits=False)
+            self.cache.advance(slots, torch.tensor(lens))
+        for seq, k, n in zip(seqs, keep, lens):
+            self.draft_len[seq.request_id] = k + n
 
     def remove(self, seq) -> None:
-        self.draft_len.pop(seq.request_id, None)
+        n = self.draft_len.pop(seq.request_id, None)
         self.pending.pop(seq.request_id, None)
+        if n and seq.slot >= 0:  # what its slot of the draft cache holds, for a later request to keep
+            self.held[seq.slot] = seq.token_ids[:n]
 
     def _pick(self, logits: torch.Tensor, seqs, greedy: bool, width: int,
               depth: int) -> tuple[torch.Tensor, torch.Tensor | None]:
