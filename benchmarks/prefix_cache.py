@@ -97,11 +97,11 @@ def main() -> None:
         for on in (True, False) if repeat % 2 == 0 else (False, True):
             label = "on" if on else "off"
             llm = engines[on]
-            llm.runner.slots.held.clear()  # each run starts cold
+            llm.runner.slots.forget()  # each run starts cold
             chat = chat_replay(llm, users, args.answer_tokens)
             print(f"chat, prefix caching {label}: ttft turn 1 {chat['ttft'][0]:.2f} s, turn {args.turns} "
                   f"{chat['ttft'][-1]:.2f} s ({chat['prompt_tokens']} prompt tokens)", file=sys.stderr, flush=True)
-            llm.runner.slots.held.clear()
+            llm.runner.slots.forget()
             system = shared_system(llm, args.system_tokens, args.requests, args.max_tokens)
             print(f"system prompt, prefix caching {label}: {system['requests_per_s']:.3f} requests/s",
                   file=sys.stderr, flush=True)

@@ -10,6 +10,7 @@ numbers a fresh prefill would compute, bit for bit, so outputs are the same with
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 from specdecode.model.cache import common_prefix
@@ -34,45 +35,55 @@ class SlotPool:
     def __init__(self, num_slots: int, enabled: bool = True):
         self.size = num_slots
         self.enabled = enabled
-        self.free: list[int] = list(range(num_slots))
-        """Free slots, least recently released first."""
+        self.empty: collections.deque[int] = collections.deque(range(num_slots))
+        """Free slots that hold nothing reusable."""
         self.held: dict[int, list[int]] = {}
-        """Free slot -> the tokens its cache rows hold (positions 0..len-1); absent = nothing reusable."""
+        """Free slots that hold something -> the tokens their rows hold (positions 0..len-1), least recently
+        released first."""
         self.stats = PrefixStats()
+
+    @property
+    def free(self) -> list[int]:
+        return list(self.empty) + list(self.held)
 
     def grow(self, num_slots: int) -> None:
         """The cache was enlarged (its rows copied over): the new slots are free and empty."""
-        self.free += list(range(self.size, num_slots))
+        self.empty.extend(range(self.size, num_slots))
         self.size = num_slots
 
+    def forget(self) -> None:
+        """Drop every prefix the free slots hold (they stay free)."""
+        self.empty.extend(self.held)
+        self.held.clear()
+
     def __len__(self) -> int:
-        return len(self.free)
+        return len(self.empty) + len(self.held)
 
     def take(self, prompt: list[int]) -> tuple[int, int]:
         """A free slot for a request with this prompt, and how many of its first tokens that slot already holds
         (at most len(prompt) - 1: the last prompt token is always run, for its logits)."""
         slot, reused = self.choose(prompt)
-        self.free.remove(slot)
-        self.held.pop(slot, None)
+        if slot in self.held:
+            del self.held[slot]
+        else:
+            self.empty.remove(slot)
         return slot, reused
 
     def choose(self, prompt: list[int]) -> tuple[int, int]:
-        """What take(prompt) would return, taking nothing."""
+        """What take(prompt) would return, taking nothing: the slot holding the longest beginning of the prompt;
+        else an empty slot; else the one released longest ago (its content is evicted)."""
         best, best_len = None, 0
-        if self.enabled:
-            for slot in self.free:
-                n = common_prefix(self.held.get(slot, ()), prompt)
-                if n > best_len:
-                    best, best_len = slot, n
-        if best is None:  # nothing to reuse: an empty slot if there is one, else the oldest content goes
-            best = next((s for s in self.free if s not in self.held), self.free[0])
+        for slot, tokens in self.held.items():
+            n = common_prefix(tokens, prompt)
+            if n > best_len:
+                best, best_len = slot, n
+        if best is None:
+            best = self.empty[0] if self.empty else next(iter(self.held))
         return best, min(best_len, len(prompt) - 1)
 
     def give_back(self, slot: int, tokens: list[int] | None) -> None:
         """A slot is free again; tokens: what its rows now hold (None: nothing reusable, e.g. after a failure)."""
-        self.free.append(slot)
         if tokens and self.enabled:
             self.held[slot] = list(tokens)
         else:
-            self.held.pop(slot, None)
-
+            self.empty.append(slot)

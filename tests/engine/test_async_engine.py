@@ -254,7 +254,8 @@ def test_leaked_slots_are_reported_and_do_not_spin(engine, monkeypatch):
     real_step = engine.scheduler.step
     monkeypatch.setattr(engine.scheduler, "step", lambda: steps.append(1) or real_step())
     with engine._cond:
-        engine.scheduler.free.clear()  # as if every slot had leaked
+        engine.scheduler.pool.empty.clear()  # as if every slot had leaked
+        engine.scheduler.pool.held.clear()
 
     async def main():
         with engine._cond:  # the engine is idle: its next iteration is the one that takes this request
