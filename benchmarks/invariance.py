@@ -37,8 +37,10 @@ def params_for(index: int, seeded: bool, max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
-def engine(method: str, batch: int, max_len: int) -> LLM:
+def engine(method: str, batch: int, max_len: int, fixed_k: int | None = None) -> LLM:
     config = None if method == "plain" else {"method": method}
+    if config is not None and fixed_k:  # every step drafts K (adaptive drafts only what pays, often nothing)
+        config.update(num_speculative_tokens=fixed_k, adaptive=False)
     return LLM(speculative_config=config, max_num_seqs=batch, max_model_len=max_len)
 
 
@@ -64,6 +66,8 @@ def main() -> None:
     parser.add_argument("--max-prompt-tokens", type=int, default=384)
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--fixed-k", type=int, default=None,
+                        help="speculate a fixed K (default: adaptive, which drafts only what pays)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -108,7 +112,7 @@ def main() -> None:
             chosen = list(range(len(prompts)))
         seeded = [kind == "seeded" or (kind == "mixed" and i % 2 == 1) for i in chosen]
         params = [params_for(i, s, args.max_tokens) for i, s in zip(chosen, seeded)]
-        llm = engine(method, batch, max_len)
+        llm = engine(method, batch, max_len, args.fixed_k)
         print(f"{name}: {len(chosen)} prompts", file=sys.stderr, flush=True)
         if batch == 1:
             answers, seconds = [], 0.0

@@ -136,15 +136,15 @@ class Scheduler:
 
     def _take_joining(self) -> list[Sequence]:
         joining = []
+        longest = deepest = 0  # over `joining`: the most new tokens of a row, the longest reused prefix
         while (self.waiting and len(self.pool)
                and len(self.running) + len(self.prefilling) + len(joining) < self.num_slots
                and not (self.prefill_alone and joining)):
             seq = self.waiting[0]
             slot, reused = self.pool.choose(seq.token_ids)
             reused = self.runner.reusable(slot, reused)
-            longest = max([len(seq.token_ids) - reused] + [len(s.token_ids) - s.reused for s in joining])
-            deepest = max([reused] + [s.reused for s in joining])
-            if joining and deepest + longest > self.runner.cache.max_len:
+            new_longest, new_deepest = max(longest, len(seq.token_ids) - reused), max(deepest, reused)
+            if joining and new_deepest + new_longest > self.runner.cache.max_len:
                 break  # it would not fit beside these: it joins in the next prefill
             self.waiting.popleft()
             seq.slot, _ = self.pool.take(seq.token_ids)
@@ -154,6 +154,7 @@ class Scheduler:
                 self.prefilling.append(seq)  # a long prompt while others decode: in chunks, between their steps
             else:
                 joining.append(seq)
+                longest, deepest = new_longest, new_deepest
         self.prefill_alone = max(0, self.prefill_alone - len(joining))
         return joining
 
