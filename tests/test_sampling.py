@@ -206,7 +206,7 @@ def test_race_winners_follow_the_distribution():
     counts = torch.bincount(winners, minlength=6)
     assert counts[5] == 0
     assert chisquare(counts[:5].tolist(), (p[:5] * n).tolist()).pvalue > 1e-3
-    # The same position with uniforms for one token reused for all tokens would not be a sample of p:
-    # the winners of a position are decided by that position's noise alone.
-    again = race_tokens(p.expand(n, -1).contiguous(), keys, [3] * n)
-    assert torch.equal(winners, again)
+    # Another position's noise gives other winners with the same law (positions are independent races).
+    elsewhere = race_tokens(p.expand(n, -1).contiguous(), keys, [4] * n)
+    assert not torch.equal(winners, elsewhere)
+    assert chisquare(torch.bincount(elsewhere, minlength=6)[:5].tolist(), (p[:5] * n).tolist()).pvalue > 1e-3

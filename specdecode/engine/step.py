@@ -154,12 +154,15 @@ class StepRunner:
             return logits.argmax(-1).tolist()
         probs = processed_probs(logits, *params_tensors([s.params for s in seqs], device=logits.device))
         keys, positions = [s.random.key for s in seqs], [s.num_generated for s in seqs]
-        u = position_uniforms(keys, positions, 1, DRAW)  # [B, 1]
-        drawn = sample_rows(probs, u[:, 0].to(logits.device))
         racing = [i for i, s in enumerate(seqs) if raced(s.params)]
+        drawing = [i for i in range(len(seqs)) if i not in set(racing)]
+        drawn = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
         if racing:
             drawn[racing] = race_tokens(probs[racing], [keys[i] for i in racing],
                                         [positions[i] for i in racing]).to(drawn.device)
+        if drawing:
+            u = position_uniforms([keys[i] for i in drawing], [positions[i] for i in drawing], 1, DRAW)  # [n, 1]
+            drawn[drawing] = sample_rows(probs[drawing], u[:, 0].to(logits.device))
         return drawn.tolist()
 
     def _append(self, seq: Sequence, tokens: list[int]) -> str:
