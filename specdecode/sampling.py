@@ -19,6 +19,8 @@ MIN_TEMPERATURE = 1e-5
 """Temperatures below this are greedy: logits / 1e-40 overflow to inf and softmax would give NaN."""
 MAX_TOP_K = 2**31 - 1
 """Largest top_k accepted (any k >= the vocabulary keeps every token; larger ones cannot become tensors)."""
+MAX_LOGPROBS = 20
+"""Most alternatives `logprobs` may ask for per token (OpenAI's top_logprobs limit)."""
 TRUNCATION_CANDIDATES = (256, 4096)
 """Top-k/top-p rank this many of a row's most likely tokens first (then the next number), and sort the whole row
 only if they are not enough to decide it."""
@@ -60,6 +62,15 @@ class SamplingParams:
     sampling without one (its text is fresh randomness anyway). Both are exact samples of the target's distribution
     (`specdecode certify --sampler`); greedy ignores it."""
 
+    min_p: float = 0.0
+    """Keep only tokens whose probability (after temperature) is at least min_p times the most likely one's, before
+    top-k and top-p (vLLM's and transformers' min_p); 0 = off."""
+    logprobs: int | None = None
+    """Return, for each generated token, its log-probability and those of the `logprobs` most likely tokens at that
+    position (0: only the token's own); None = none. Values are the target's raw distribution: log-softmax of its
+    logits before temperature, min_p, top-k and top-p (vLLM's default, "raw_logprobs"), taken from the very target
+    pass that produced the token, with or without speculation."""
+
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
@@ -77,6 +88,12 @@ class SamplingParams:
             raise ConfigError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ConfigError(f"seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
+            raise ConfigError(f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ConfigError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (alternatives per token) or "
+                              f"None, got {self.logprobs!r}")
         if self.sampler not in SAMPLERS:
             raise ConfigError(f"sampler must be one of {', '.join(SAMPLERS)}, got {self.sampler!r}")
 
@@ -86,16 +103,22 @@ class SamplingParams:
 
 
 def processed_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                    top_p: torch.Tensor) -> torch.Tensor:
-    """Probabilities after temperature, top-k and top-p, per row.
+                    top_p: torch.Tensor, min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """Probabilities after temperature, min_p, top-k and top-p, per row.
 
-    logits [N, V]; temperature, top_k, top_p [N] (temperature below MIN_TEMPERATURE = one-hot argmax; top_k <= 0 =
-    off). Returns [N, V] float32 rows that sum to 1. Rows without top-k or top-p are a plain softmax: no sort.
+    logits [N, V]; temperature, top_k, top_p, min_p [N] (temperature below MIN_TEMPERATURE = one-hot argmax; top_k
+    <= 0 = off; min_p 0 or None = off). Returns [N, V] float32 rows that sum to 1. Rows without top-k or top-p are
+    a plain softmax: no sort.
     """
     logits = logits.float()
     greedy = temperature < MIN_TEMPERATURE
     scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
     probs = scaled.softmax(-1)
+    if min_p is not None and bool((min_p > 0).any()):
+        rows = ((min_p > 0) & ~greedy).nonzero().squeeze(1)
+        kept = probs[rows]
+        kept = torch.where(kept >= min_p[rows, None] * kept.max(-1, keepdim=True).values, kept, 0.0)
+        probs[rows] = kept / kept.sum(-1, keepdim=True)
     top_k = torch.where(top_k < logits.shape[-1], top_k, 0)  # keeping the whole vocabulary = off
     truncated = ((top_k > 0) | (top_p < 1)) & ~greedy
     if truncated.any():
@@ -147,13 +170,41 @@ def _truncate_ranked(values: torch.Tensor, order: torch.Tensor, top_k: torch.Ten
 
 
 def params_tensors(params: list[SamplingParams], repeats: list[int] | None = None,
-                   device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """temperature, top_k, top_p tensors with each request's values repeated `repeats[i]` times."""
+                   device: torch.device | str = "cpu") -> tuple[torch.Tensor, ...]:
+    """temperature, top_k, top_p, min_p tensors with each request's values repeated `repeats[i]` times (min_p is
+    None when no request sets it)."""
     repeats = repeats or [1] * len(params)
     temperature = torch.tensor([p.temperature for p, r in zip(params, repeats) for _ in range(r)], device=device)
     top_k = torch.tensor([p.top_k for p, r in zip(params, repeats) for _ in range(r)], device=device)
     top_p = torch.tensor([p.top_p for p, r in zip(params, repeats) for _ in range(r)], device=device)
-    return temperature.float(), top_k.long(), top_p.float()
+    min_p = None
+    if any(p.min_p for p in params):
+        min_p = torch.tensor([p.min_p for p, r in zip(params, repeats) for _ in range(r)], device=device).float()
+    return temperature.float(), top_k.long(), top_p.float(), min_p
+
+
+@dataclasses.dataclass
+class TokenLogprob:
+    """One generated token's log-probability under the target, and the most likely tokens at its position."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+    """(token, log-probability) of the `logprobs` most likely tokens, most likely first."""
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], alternatives: list[int]) -> list[TokenLogprob]:
+    """logits [N, V] of the positions that produced `tokens` (one per row) -> their log-softmax values and each
+    row's `alternatives[i]` most likely tokens; one transfer to the host."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logp.gather(1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0]
+    k = max(alternatives, default=0)
+    if k:
+        top_values, top_ids = logp.topk(k, dim=-1)
+        top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    values = chosen.tolist()
+    return [TokenLogprob(t, v, list(zip(top_ids[i][:a], top_values[i][:a])) if a else [])
+            for i, (t, v, a) in enumerate(zip(tokens, values, alternatives))]
 
 
 def sample_rows(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -97,7 +97,8 @@ def test_rows_are_distributions_at_vocabulary_scale():
 
 def test_params_tensors_repeats_each_request():
     params = [SamplingParams(temperature=0.5, top_k=3, top_p=0.9), SamplingParams(temperature=0)]
-    temperature, top_k, top_p = params_tensors(params, [2, 3])
+    temperature, top_k, top_p, min_p = params_tensors(params, [2, 3])
+    assert min_p is None  # no request sets min_p: processed_probs skips it
     assert temperature.tolist() == [0.5, 0.5, 0.0, 0.0, 0.0]
     assert top_k.tolist() == [3, 3, 0, 0, 0]
     assert top_p.tolist() == pytest.approx([0.9, 0.9, 1.0, 1.0, 1.0])

@@ -38,6 +38,8 @@ class CertifyConfig:
     """Nucleus mass."""
     top_k: int = 0
     """Top-k (0 = off)."""
+    min_p: float = 0.0
+    """min_p (0 = off)."""
     sampler: str = "race"
     """SamplingParams.sampler: "race" (the default: identity verification of the race's winners) or "rejection"
     (rejection sampling of the drafts)."""
@@ -58,7 +60,7 @@ class CertifyConfig:
         if self.temperature <= 0:
             raise ConfigError("certify tests sampling: give --temperature > 0 (greedy speculation is checked by "
                               "comparing with plain greedy decoding)")
-        SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+        SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                        sampler=self.sampler)  # validates them
         for name in ("samples", "max_tokens", "num_prompts", "max_prompt_tokens"):
             if getattr(self, name) < 1:
@@ -98,7 +100,7 @@ class CertifyReport:
         rate = self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
         lines = [
             f"certify {self.model} with {spec.get('method')} (T={self.config.temperature:g}, "
-            f"top_p={self.config.top_p:g}, top_k={self.config.top_k}, {self.config.sampler} sampler): {v.n} tokens "
+            f"top_p={self.config.top_p:g}, top_k={self.config.top_k}, min_p={self.config.min_p:g}, {self.config.sampler} sampler): {v.n} tokens "
             f"from {self.requests} requests ({self.prompt_source} prompts), {self.draft_tokens} draft tokens, "
             f"{rate:.1%} accepted",
             f"  PIT uniformity (Kolmogorov-Smirnov): p = {v.pit_ks_p:.3g} (mean PIT {v.pit_mean:.4f}, 0.5 expected)",
@@ -128,7 +130,7 @@ def certify(llm, config: CertifyConfig, reference=None) -> CertifyReport:
     prompts = prompt_ids(llm.tokenizer, texts, min(config.max_prompt_tokens, llm.max_model_len - config.max_tokens - 1))
     requests = math.ceil(config.samples / config.max_tokens)
     params = [SamplingParams(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
-                             max_tokens=config.max_tokens, seed=config.seed * 1_000_003 + i, ignore_eos=True,
+                             min_p=config.min_p, max_tokens=config.max_tokens, seed=config.seed * 1_000_003 + i, ignore_eos=True,
                              sampler=config.sampler)
               for i in range(requests)]
     inputs = [prompts[i % len(prompts)] for i in range(requests)]

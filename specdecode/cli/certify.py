@@ -33,6 +33,7 @@ def register(sub) -> None:
                    help=f"(default {d.temperature:g})")
     p.add_argument("--top-p", type=PROBABILITY, default=d.top_p, help=f"(default {d.top_p:g})")
     p.add_argument("--top-k", type=int_range(0), default=d.top_k, help="0 = off (default)")
+    p.add_argument("--min-p", type=float_range(0.0, 1.0), default=d.min_p, help="0 = off (default)")
     p.add_argument("--samples", type=int_range(16, 10_000_000), default=DEFAULT_SAMPLES,
                    help=f"emitted tokens to test (default {DEFAULT_SAMPLES})")
     p.add_argument("--max-tokens", type=TOKENS, default=d.max_tokens,
@@ -58,7 +59,7 @@ def cmd_certify(args) -> int:
 
     set_threads(args.threads)
     config = CertifyConfig(samples=args.samples, max_tokens=args.max_tokens, temperature=args.temperature,
-                           top_p=args.top_p, top_k=args.top_k, seed=args.seed, alpha=args.alpha, prompts=args.prompts,
+                           top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed, alpha=args.alpha, prompts=args.prompts,
                            sampler=args.sampler)
     if args.no_speculation:
         raise ConfigError("certify tests speculation: drop --no-speculation")

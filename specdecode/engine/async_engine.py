@@ -60,6 +60,8 @@ class StreamDelta:
     prompt_tokens: int
     completion_tokens: int
     """Tokens generated so far."""
+    logprobs: list | None = None
+    """TokenLogprob of each of token_ids, when the request asked for logprobs."""
 
 
 class RequestStream:
@@ -297,6 +299,7 @@ class AsyncEngine:
                 continue
             new_ids = seq.token_ids[seq.num_prompt + stream.sent:]
             emitted.append(len(new_ids))
+            logprobs = None if seq.logprobs is None else seq.logprobs[stream.sent:stream.sent + len(new_ids)]
             stream.sent += len(new_ids)
             if new_ids:
                 if stream.first_token_time is None:
@@ -308,7 +311,7 @@ class AsyncEngine:
             text = out.deltas.get(seq.request_id, "")
             if text or new_ids or seq.finished:
                 batch.append((stream, StreamDelta(text, new_ids, seq.finish_reason, seq.num_prompt,
-                                                  seq.num_generated)))
+                                                  seq.num_generated, logprobs)))
         if out.report is not None:
             controller = self.llm.controller
             plain = controller.costs.step_time(len(out.stepped), 0) if controller is not None else None

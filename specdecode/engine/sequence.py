@@ -6,7 +6,7 @@ import dataclasses
 import torch
 
 from specdecode.model.tokenizer import IncrementalDetokenizer, Tokenizer
-from specdecode.sampling import DRAFT, RequestRandom, SamplingParams, StepUniforms, raced
+from specdecode.sampling import DRAFT, RequestRandom, SamplingParams, StepUniforms, TokenLogprob, raced
 
 
 @dataclasses.dataclass
@@ -78,6 +78,8 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None
+    logprobs: list[TokenLogprob] | None = None
+    """Per generated token, when SamplingParams.logprobs asked for them."""
 
 
 @dataclasses.dataclass
@@ -115,6 +117,8 @@ class Sequence:
         self.stop_holdback = max(map(len, params.stop), default=1) - 1
         """Characters at the end of the text that may begin a stop string (0 without stop strings)."""
         self.finish_reason: str | None = None
+        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        """Per generated token (SamplingParams.logprobs): kept in step with output_ids."""
 
     @property
     def output_ids(self) -> list[int]:
@@ -146,17 +150,19 @@ class Sequence:
         they guess, so a request's drafts do not depend on how deep other requests in its batch draft."""
         return [self.random.uniform(self.num_generated + depth, DRAFT, i) for i in range(count)]
 
-    def append(self, new_ids: list[int], max_len: int) -> str:
+    def append(self, new_ids: list[int], max_len: int, logprobs: list[TokenLogprob] | None = None) -> str:
         """Add generated tokens one at a time up to the first that ends the request: an EOS, the max_tokens-th or
         the context's last token, or one whose text completes a stop string (the text is cut before the stop
         string; the token stays, as in vLLM). Tokens after it are dropped. Returns the text that may be shown now.
 
         While stop strings are set, the last len(longest stop) - 1 characters are held back until the request
         finishes: they could be the start of a stop string the next tokens complete, and text once shown cannot
-        be taken back."""
+        be taken back. logprobs: one per new token, kept for the tokens kept."""
         params = self.params
-        for token in new_ids:
+        for i, token in enumerate(new_ids):
             self.token_ids.append(token)
+            if self.logprobs is not None and logprobs is not None:
+                self.logprobs.append(logprobs[i])
             if token in self.eos_ids:
                 self.finish_reason = "stop"
             elif self.num_generated >= params.max_tokens or len(self.token_ids) >= max_len:
@@ -183,5 +189,6 @@ class Sequence:
     def output(self) -> RequestOutput:
         return RequestOutput(
             request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.token_ids[:self.num_prompt],
-            outputs=[CompletionOutput(0, self.text, self.output_ids, self.finish_reason)],
+            outputs=[CompletionOutput(0, self.text, self.output_ids, self.finish_reason,
+                                      None if self.logprobs is None else list(self.logprobs))],
             finished=self.finished, metrics=self.stats)

@@ -16,7 +16,7 @@ from specdecode.model.cache import KVCache
 from specdecode.engine.sequence import Sequence
 from specdecode.model.llama import LlamaForCausalLM
 from specdecode.sampling import (DRAW, params_tensors, position_uniforms, processed_probs, race_tokens, raced,
-                                 sample_rows)
+                                 sample_rows, token_logprobs)
 from specdecode.speculation.proposers.base import NO_FEATURES, Proposer, TargetFeatures
 from specdecode.speculation.tree import DraftTree
 from specdecode.speculation.verify import verify_step
@@ -101,12 +101,13 @@ class StepRunner:
         logits = self.target.lm_head(last)  # [B, V]
         self.cache.advance(slots, torch.tensor(lens))
         first = self._sample_roots(seqs, logits)
+        logprobs = self._logprobs(seqs, logits[:, None], [[0]] * len(seqs), [[t] for t in first])
         elapsed = time.perf_counter() - start
         self.mutated = True  # from here on the sequences change
         deltas = []
-        for seq, token in zip(seqs, first):
+        for seq, token, lp in zip(seqs, first, logprobs):
             seq.stats.verify_time += elapsed
-            deltas.append(self._append(seq, [token]))
+            deltas.append(self._append(seq, [token], lp))
         if self.features.wanted:
             self.proposer.observe_target(seqs, TargetFeatures.select(out, self.features, lens))
         return deltas
@@ -165,9 +166,27 @@ class StepRunner:
             drawn[drawing] = sample_rows(probs[drawing], u[:, 0].to(logits.device))
         return drawn.tolist()
 
-    def _append(self, seq: Sequence, tokens: list[int]) -> str:
+    @staticmethod
+    def _logprobs(seqs: list[Sequence], logits: torch.Tensor, positions: list[list[int]],
+                  tokens: list[list[int]]) -> list[list | None]:
+        """Per sequence, the TokenLogprob of each new token (None for one that did not ask): token i of row b was
+        produced by logits[b, positions[b][i]], the same target pass that chose it."""
+        asking = [b for b, s in enumerate(seqs) if s.params.logprobs is not None]
+        out: list[list | None] = [None] * len(seqs)
+        if not asking:
+            return out
+        rows = [b for b in asking for _ in positions[b]]
+        cols = [c for b in asking for c in positions[b]]
+        flat = token_logprobs(logits[rows, cols], [t for b in asking for t in tokens[b]],
+                              [seqs[b].params.logprobs for b in asking for _ in positions[b]])
+        i = 0
+        for b in asking:
+            out[b], i = flat[i:i + len(positions[b])], i + len(positions[b])
+        return out
+
+    def _append(self, seq: Sequence, tokens: list[int], logprobs: list | None = None) -> str:
         before = seq.num_generated
-        delta = seq.append(tokens, self.max_len)
+        delta = seq.append(tokens, self.max_len, logprobs)
         seq.stats.emitted_tokens += seq.num_generated - before
         return delta
 
@@ -203,10 +222,13 @@ class StepRunner:
 
         report = StepReport(width, t1 - t0, t2 - t1, [len(t) for t in trees], [len(r.accepted) for r in results],
                             join_time, [int(t.depths.max()) + 1 if len(t) else 0 for t in trees])
+        emitted = [tree.tokens[result.accepted].tolist() + [result.next_token] for tree, result in zip(trees, results)]
+        # the logits that chose each emitted token: the root's, then each accepted node's
+        logprobs = self._logprobs(seqs, out.logits, [row[:n] for row, n in zip(kept.tolist(), n_kept)], emitted)
         deltas = []
-        for row, (seq, tree, result) in enumerate(zip(seqs, trees, results)):
+        for row, (seq, tokens, lp) in enumerate(zip(seqs, emitted, logprobs)):
             seq.stats.record(report, row)
-            deltas.append(self._append(seq, tree.tokens[result.accepted].tolist() + [result.next_token]))
+            deltas.append(self._append(seq, tokens, lp))
         if self.proposer is not None:
             self.proposer.observe(seqs, trees, results)
         if self.features.wanted:  # the hidden states at the root and the accepted path of each row

@@ -4,6 +4,8 @@ and an incremental detokenizer for streaming whose work per token does not grow 
 """
 from __future__ import annotations
 
+import functools
+
 import json
 from pathlib import Path
 
@@ -92,6 +94,15 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes one token stands for (a byte-level BPE token may be part of a UTF-8 character, which decode()
+        would show as U+FFFD); other tokenizers: the UTF-8 of its decoded text."""
+        piece = self.backend.id_to_token(token)
+        decoder = _byte_decoder()
+        if piece is not None and all(ch in decoder for ch in piece):
+            return bytes(decoder[ch] for ch in piece)
+        return self.backend.decode([token], skip_special_tokens=False).encode("utf-8")
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render chat messages with the checkpoint's Jinja chat template (a plain fallback if it has none)."""
         if not self.chat_template:
@@ -112,6 +123,21 @@ class Tokenizer:
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a conversation rendered with the chat template (which writes any BOS itself)."""
         return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+
+
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+    """Byte-level BPE's printable stand-ins for the 256 byte values (GPT-2's table), inverted."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) + \
+        list(range(ord("\xae"), ord("\xff") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
 
 
 def _raise_template_error(message: str):

@@ -104,7 +104,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
                            param="model", code="model_not_found")
         limits.check_request(req, vocab)
 
-    def sampling_params(req, prompt_len: int, max_tokens: int | None) -> SamplingParams:
+    def sampling_params(req, prompt_len: int, max_tokens: int | None, logprobs: int | None = None) -> SamplingParams:
         room = llm.max_model_len - prompt_len
         if max_tokens is None:
             max_tokens = room
@@ -113,8 +113,8 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
                               f"and max_tokens is {max_tokens}: ask for at most {room} tokens or shorten the prompt",
                               "max_tokens")
         fields = {"max_tokens": max_tokens, "stop": req.stop, "seed": req.seed, "ignore_eos": req.ignore_eos,
-                  "use_speculation": req.use_speculation, "sampler": req.sampler}
-        for name in ("temperature", "top_p", "top_k"):
+                  "use_speculation": req.use_speculation, "sampler": req.sampler, "logprobs": logprobs}
+        for name in ("temperature", "top_p", "top_k", "min_p"):
             if getattr(req, name) is not None:
                 fields[name] = getattr(req, name)
         try:
@@ -147,7 +147,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
         prompt = req.single_prompt()
         ids = tokenize(prompt)
         echo = (prompt if isinstance(prompt, str) else llm.tokenizer.decode(ids)) if req.echo else ""
-        return Prepared(req, ids, sampling_params(req, len(ids), req.max_tokens), echo)
+        return Prepared(req, ids, sampling_params(req, len(ids), req.max_tokens, req.logprobs), echo)
 
     def prepare_chat(body: bytes) -> Prepared:
         req = parse(ChatCompletionRequest, body)
@@ -165,7 +165,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
         bos = llm.tokenizer.bos_token
         ids = tokenize(text, add_special_tokens=not (bos and text.startswith(bos)))
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        return Prepared(req, ids, sampling_params(req, len(ids), max_tokens))
+        return Prepared(req, ids, sampling_params(req, len(ids), max_tokens, req.logprob_count()))
 
     # -- routes ---------------------------------------------------------------------------------------------
 
@@ -186,20 +186,23 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
         request_id = f"cmpl-{uuid.uuid4().hex}"
         stream = submit(prepared, request_id)
 
-        def chunk(text: str, finish_reason: str | None) -> dict:
+        offset = [len(echo)]  # text_offset of the next token
+
+        def chunk(text: str, finish_reason: str | None, logprobs: list | None = None) -> dict:
             return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model_name,
-                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+                    "choices": [{"index": 0, "text": text, "finish_reason": finish_reason,
+                                 "logprobs": None if req.logprobs is None else completion_logprobs(logprobs, offset)}]}
 
         if req.stream:
             async def events() -> AsyncIterator[str]:
                 if echo:
-                    yield _sse(chunk(echo, None))
-                async for body in _stream_chunks(stream, lambda d: chunk(d.text, d.finish_reason),
+                    yield _sse(chunk(echo, None, []))
+                async for body in _stream_chunks(stream, lambda d: chunk(d.text, d.finish_reason, d.logprobs),
                                                  _include_usage(req), request_id, model_name, "text_completion"):
                     yield body
             return _sse_response(events())
-        text, finish_reason, usage = await _collect(stream, request)
-        body = chunk(echo + text, finish_reason)
+        text, finish_reason, usage, logprobs = await _collect(stream, request)
+        body = chunk(echo + text, finish_reason, logprobs)
         body["usage"] = usage
         return body
 
@@ -210,24 +213,48 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream = submit(prepared, request_id)
 
-        def chunk(delta: dict, finish_reason: str | None) -> dict:
+        def chunk(delta: dict, finish_reason: str | None, logprobs: list | None = None) -> dict:
             return {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()),
                     "model": model_name,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason,
+                                 "logprobs": chat_logprobs(logprobs) if req.logprobs else None}]}
 
         if req.stream:
             async def events() -> AsyncIterator[str]:
-                yield _sse(chunk({"role": "assistant", "content": ""}, None))
+                yield _sse(chunk({"role": "assistant", "content": ""}, None, []))
                 async for body in _stream_chunks(stream, lambda d: chunk({"content": d.text} if d.text else {},
-                                                                         d.finish_reason),
+                                                                         d.finish_reason, d.logprobs),
                                                  _include_usage(req), request_id, model_name, "chat.completion.chunk"):
                     yield body
             return _sse_response(events())
-        text, finish_reason, usage = await _collect(stream, request)
+        text, finish_reason, usage, logprobs = await _collect(stream, request)
         return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model_name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                             "logprobs": chat_logprobs(logprobs) if req.logprobs else None,
                              "finish_reason": finish_reason}],
                 "usage": usage}
+
+    def token_text(token: int) -> str:
+        return llm.tokenizer.decode([token])
+
+    def completion_logprobs(logprobs: list | None, offset: list[int]) -> dict:
+        """OpenAI's completions format: parallel lists; text_offset continues across a stream's chunks."""
+        body = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for lp in logprobs or []:
+            text = token_text(lp.token)
+            body["tokens"].append(text)
+            body["token_logprobs"].append(lp.logprob)
+            body["top_logprobs"].append({token_text(t): v for t, v in lp.top})
+            body["text_offset"].append(offset[0])
+            offset[0] += len(text)
+        return body
+
+    def chat_logprobs(logprobs: list | None) -> dict:
+        """OpenAI's chat format: {"content": [{token, logprob, bytes, top_logprobs: [...]}, ...]}."""
+        def entry(token: int, logprob: float) -> dict:
+            return {"token": token_text(token), "logprob": logprob, "bytes": list(llm.tokenizer.token_bytes(token))}
+        return {"content": [{**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                            for lp in logprobs or []]}
 
     return app
 
@@ -260,7 +287,7 @@ async def _stream_chunks(stream: RequestStream, make_chunk, include_usage: bool,
     try:
         async for delta in stream:
             last = delta
-            if delta.text or delta.finish_reason is not None:
+            if delta.text or delta.finish_reason is not None or delta.logprobs:
                 yield _sse(make_chunk(delta))
     except (RequestFailed, EngineDead) as exc:
         yield _sse(APIError(500, str(exc), type="server_error").body())
@@ -272,8 +299,9 @@ async def _stream_chunks(stream: RequestStream, make_chunk, include_usage: bool,
     yield "data: [DONE]\n\n"
 
 
-async def _collect(stream: RequestStream, request: Request) -> tuple[str, str | None, dict]:
-    """Whole text, finish reason and usage of a non-streaming request; aborts it if the client disconnects."""
+async def _collect(stream: RequestStream, request: Request) -> tuple[str, str | None, dict, list]:
+    """Whole text, finish reason, usage and token logprobs (empty unless asked for) of a non-streaming request;
+    aborts it if the client disconnects."""
 
     async def watch_disconnect():
         while (await request.receive())["type"] != "http.disconnect":
@@ -281,10 +309,11 @@ async def _collect(stream: RequestStream, request: Request) -> tuple[str, str | 
         stream.abort()
 
     watcher = asyncio.create_task(watch_disconnect())
-    parts, last = [], None
+    parts, logprobs, last = [], [], None
     try:
         async for delta in stream:
             parts.append(delta.text)
+            logprobs.extend(delta.logprobs or [])
             last = delta
     except RequestAborted:
         raise APIError(499, "the client closed the request") from None
@@ -293,4 +322,4 @@ async def _collect(stream: RequestStream, request: Request) -> tuple[str, str | 
     finally:
         watcher.cancel()
         stream.abort()
-    return "".join(parts), last.finish_reason, _usage(last.prompt_tokens, last.completion_tokens)
+    return "".join(parts), last.finish_reason, _usage(last.prompt_tokens, last.completion_tokens), logprobs

@@ -5,7 +5,7 @@ fields OpenAI defines that specdecode does not implement are refused with a 400 
 """
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
@@ -41,6 +41,10 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
+MAX_LOGPROBS = 20
+"""Most alternatives per token (OpenAI's top_logprobs limit; completions' logprobs takes the same here)."""
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     include_usage: bool = False
@@ -54,6 +58,8 @@ class _Request(BaseModel):
     temperature: float | None = Field(None, allow_inf_nan=False)
     top_p: float | None = Field(None, allow_inf_nan=False)
     top_k: Int | None = None
+    min_p: float | None = Field(None, allow_inf_nan=False)
+    """vLLM's extension: SamplingParams.min_p."""
     n: Int | None = 1
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -70,8 +76,31 @@ class _Request(BaseModel):
     sampler: Literal["auto", "race", "rejection"] = "auto"
     """specdecode extension: SamplingParams.sampler (auto: the exponential race when seeded, so a seed gives one
     text with or without speculation)."""
+    # Fields OpenAI (or vLLM, which clients also target) defines that specdecode does not implement yet: each is
+    # refused with a 400 naming it when it asks for anything but the default, never silently ignored.
+    repetition_penalty: Any = None
+    response_format: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    prediction: Any = None
+    modalities: Any = None
+    audio: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
 
     def check_supported(self) -> None:
+        unsupported = {"repetition_penalty": self.repetition_penalty not in (None, 1, 1.0),
+                       "response_format": self.response_format not in (None, {"type": "text"}),
+                       "modalities": self.modalities not in (None, ["text"])}
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+                     "prediction", "audio", "reasoning_effort", "web_search_options"):
+            unsupported[name] = getattr(self, name) is not None
+        for name, refused in unsupported.items():
+            if refused:
+                raise bad_request(f"{name} is not supported by this server yet; leave it out", name)
         if self.n not in (None, 1):
             raise bad_request("only n=1 is supported; send several requests for several completions", "n")
         if self.presence_penalty or self.frequency_penalty:
@@ -91,8 +120,11 @@ class CompletionRequest(_Request):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.logprobs is not None:
-            raise bad_request("logprobs are not supported", "logprobs")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise bad_request(f"logprobs must be in [0, {MAX_LOGPROBS}]", "logprobs")
+        if self.logprobs is not None and self.echo:
+            raise bad_request("echo with logprobs (the prompt's log-probabilities) is not supported; drop one of "
+                              "them", "echo")
         if self.best_of not in (None, 1):
             raise bad_request("best_of is not supported", "best_of")
         if self.suffix:
@@ -130,16 +162,31 @@ class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Int | None = None
     max_completion_tokens: Int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: Int | None = None
     tools: list | None = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.logprobs or self.top_logprobs:
-            raise bad_request("logprobs are not supported", "logprobs")
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+                raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}]", "top_logprobs")
         if self.tools:
             raise bad_request("tools are not supported", "tools")
+        if self.tool_choice not in (None, "none"):
+            raise bad_request("tool_choice is not supported (no tools)", "tool_choice")
+        for name in ("functions", "function_call"):
+            if getattr(self, name) is not None:
+                raise bad_request(f"{name} is not supported", name)
+
+    def logprob_count(self) -> int | None:
+        """SamplingParams.logprobs for this request: None without logprobs, else top_logprobs (default 0)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 def parse(model: type[BaseModel], body: bytes):

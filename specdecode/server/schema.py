@@ -8,7 +8,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
 from specdecode.server.limits import ServerLimits
-from specdecode.server.protocol import ChatCompletionRequest, CompletionRequest
+from specdecode.server.protocol import MAX_LOGPROBS, ChatCompletionRequest, CompletionRequest
 
 REF = "#/components/schemas/{model}"
 
@@ -32,10 +32,19 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    """The completions route's logprobs (when asked for): parallel lists, one entry per generated token."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None
+    logprobs: CompletionLogprobs | None
     finish_reason: str | None
 
 
@@ -55,10 +64,24 @@ class ChatMessageOut(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprobOut(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprobOut]
+
+
 class ChatChoice(BaseModel):
     index: int
     message: ChatMessageOut
-    logprobs: None
+    logprobs: ChatLogprobs | None
     finish_reason: str | None
 
 
@@ -126,7 +149,7 @@ def accepted_fields(model_name: str, vocab: int, context: int, limits: ServerLim
     completion = {
         "prompt": {"anyOf": [text, ids, {"type": "array", "items": text, "minItems": 1, "maxItems": 1},
                              {"type": "array", "items": ids, "minItems": 1, "maxItems": 1}]},
-        "logprobs": {"type": "null"},
+        "logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS}),
         "best_of": _nullable({"type": "integer", "enum": [1]}),
         "suffix": _nullable({"type": "string", "maxLength": 0}),
     }
@@ -134,8 +157,8 @@ def accepted_fields(model_name: str, vocab: int, context: int, limits: ServerLim
         "messages": {"type": "array", "items": {"$ref": REF.format(model="ChatMessage")}, "minItems": 1,
                      "maxItems": limits.max_messages},
         "max_completion_tokens": _nullable(tokens),
-        "logprobs": {"type": "boolean", "enum": [False]},
-        "top_logprobs": _nullable({"type": "integer", "enum": [0]}),
+        "logprobs": _nullable({"type": "boolean"}),
+        "top_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS}),  # see install()
         "tools": _nullable({"type": "array", "maxItems": 0}),
     }
     return common, completion, chat
@@ -156,6 +179,12 @@ def install(app: FastAPI, accepted: tuple[dict, dict, dict] | None = None) -> No
                 components.update(body.pop("$defs", {}))
                 for name, narrowed in {**common, **own}.items():
                     body["properties"][name] = {**narrowed, "title": body["properties"][name].get("title", name)}
+                if model is CompletionRequest:  # echo with logprobs is refused
+                    body["if"] = {"properties": {"echo": {"const": True}}, "required": ["echo"]}
+                    body["then"] = {"properties": {"logprobs": {"type": "null"}}}
+                else:  # top_logprobs only with logprobs: true
+                    body["if"] = {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}
+                    body["else"] = {"properties": {"top_logprobs": {"type": "null"}}}
                 components[model.__name__] = body
             app.openapi_schema = schema
         return app.openapi_schema

@@ -91,12 +91,20 @@ def race_uniform_noise(probs, keys, positions):
     return (probs.double() / u).masked_fill(~(probs > 0), -1.0).argmax(-1)
 
 
+def probs_without_min_p(logits, temperature, top_k, top_p, min_p=None):
+    """The verifier's target distribution computed without min_p (as when a speculative path drops it)."""
+    from specdecode.sampling import processed_probs
+
+    return processed_probs(logits, temperature, top_k, top_p)
+
+
 BROKEN = {
     "correction_from_p": {"verify_chains": chains_correction_from_p, "verify_sampling": tree_correction_from_p},
     "q_other_temperature": {"verify_chains": chains_q_other_temperature(), "verify_sampling": tree_q_other_temperature()},
     "siblings_unnormalised": {"verify_sampling": tree_siblings_unnormalised},
     "race_off_by_one": {"race_positions": race_positions_off_by_one},
     "race_uniform_noise": {"race_tokens": race_uniform_noise},
+    "min_p_dropped": {"processed_probs": probs_without_min_p},
 }
 """Name -> the verifier functions to replace (verify_sampling: the rule for each sampled tree)."""
 

@@ -84,6 +84,16 @@ def test_broken_verifier_fails(pair, monkeypatch, name, kind, params, sampler):
     assert not v.passed and v.p_value < 1e-6, v
 
 
+@pytest.mark.parametrize("sampler", ["race", "rejection"])
+def test_min_p(pair, monkeypatch, sampler):
+    """min_p certified under both samplers; a verifier that drops it is rejected decisively."""
+    good = run(pair, "chain", samples=2048, sampler=sampler, temperature=1.0, min_p=0.2)
+    assert good.passed and good.p_value > 1e-3 and good.impossible == 0, good
+    broken.inject(monkeypatch, "min_p_dropped")
+    bad = run(pair, "chain", sampler=sampler, temperature=1.0, min_p=0.2)
+    assert not bad.passed and bad.p_value < 1e-6, bad
+
+
 def test_cli_verdict_exit_code_and_json(pair, monkeypatch, tmp_path, capsys):
     argv = ["certify", "--model", str(pair / "target"), "--speculative-model", str(pair / "draft"),
             "--num-speculative-tokens", "3", "--samples", "1024", "--prompts", "builtin", "--json"]

@@ -115,9 +115,9 @@ class DraftModelProposer:
             return logits.argmax(-1), None
         per_chain = logits.dim() == 3
         rows = logits.reshape(-1, V)
-        temperature, top_k, top_p = params_tensors([s.params for s in seqs], [width if per_chain else 1] * B,
+        temperature, top_k, top_p, min_p = params_tensors([s.params for s in seqs], [width if per_chain else 1] * B,
                                                    device=logits.device)
-        q = processed_probs(rows, temperature, top_k, top_p).view(B, -1, V)  # [B, 1 or width, V]
+        q = processed_probs(rows, temperature, top_k, top_p, min_p).view(B, -1, V)  # [B, 1 or width, V]
         q = q.expand(B, width, V)  # at the root, every chain draws independently from the same q
         u = torch.tensor([s.draft_uniforms(depth, width) for s in seqs], dtype=torch.float64,
                          device=logits.device)  # [B, w]

@@ -1,0 +1,72 @@
+"""logprobs, top_logprobs and min_p through the real server and the official openai client, under speculation; the
+OpenAI fields not implemented yet are refused with a 400 that names them."""
+import httpx
+import openai
+import pytest
+
+from specdecode.sampling import SamplingParams
+
+JSON = {"Content-Type": "application/json"}
+
+
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_completion_logprobs_equal_the_python_api(server, reference):
+    c = client(server)
+    prompt = "def add(a, b):"
+    got = c.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0, logprobs=2,
+                               extra_body={"ignore_eos": True})
+    want = reference.generate(prompt, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
+                                                     logprobs=2))[0].outputs[0]
+    lp = got.choices[0].logprobs
+    assert len(lp.tokens) == len(want.token_ids) == 10
+    assert lp.token_logprobs == pytest.approx([x.logprob for x in want.logprobs], abs=1e-5)
+    assert all(len(top) <= 2 for top in lp.top_logprobs)
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    if "\ufffd" not in got.choices[0].text:  # a token may hold part of a UTF-8 character (then shown as U+FFFD)
+        assert "".join(lp.tokens) == got.choices[0].text
+
+
+def test_chat_logprobs_streamed_equal_whole(server):
+    c = client(server)
+    kwargs = dict(model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=12, temperature=1.0,
+                  seed=11, logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True, "min_p": 0.05})
+    whole = c.chat.completions.create(**kwargs).choices[0].logprobs.content
+    streamed = [entry for chunk in c.chat.completions.create(stream=True, **kwargs)
+                if chunk.choices and chunk.choices[0].logprobs for entry in chunk.choices[0].logprobs.content]
+    assert len(whole) == 12
+    # the same tokens (seeded race); values within float error (the tiny float32 model is not batch-invariant)
+    assert [e.token for e in streamed] == [e.token for e in whole]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in whole], abs=1e-5)
+    assert all(len(e.top_logprobs) == 3 and e.top_logprobs[0].logprob >= e.logprob - 1e-6 for e in whole)
+    # bytes are the token's own: joined, they are the answer's UTF-8 (its text when that decodes whole)
+    joined = bytes(b for e in whole for b in e.bytes)
+    assert joined.decode("utf-8", errors="replace") == c.chat.completions.create(**kwargs).choices[0].message.content
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("chat/completions", {"tool_choice": "required"}, "tool_choice"),
+    ("chat/completions", {"functions": [{"name": "f"}]}, "functions"),
+    ("chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+    ("chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("chat/completions", {"repetition_penalty": 1.2}, "repetition_penalty"),
+    ("chat/completions", {"guided_json": {"type": "object"}}, "guided_json"),
+    ("chat/completions", {"modalities": ["text", "audio"]}, "modalities"),
+    ("completions", {"logprobs": 21}, "logprobs"),
+    ("completions", {"logprobs": 1, "echo": True}, "echo"),
+    ("completions", {"min_p": 1.5}, "min_p"),
+])
+def test_unsupported_fields_are_named(server, path, body, param):
+    base = {"prompt": "x"} if path == "completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    response = httpx.post(f"{server.url}/v1/{path}", json={**base, "max_tokens": 2, **body}, headers=JSON)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
+def test_defaults_of_unimplemented_fields_are_accepted(server):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "response_format": {"type": "text"},
+            "tool_choice": "none", "repetition_penalty": 1.0, "logprobs": False}
+    assert httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=JSON).status_code == 200
