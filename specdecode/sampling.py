@@ -62,6 +62,15 @@ class SamplingParams:
     sampling without one (its text is fresh randomness anyway). Both are exact samples of the target's distribution
     (`specdecode certify --sampler`); greedy ignores it."""
 
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token the output holds so far (OpenAI's; in [-2, 2])."""
+    frequency_penalty: float = 0.0
+    """Times the token's count in the output so far, subtracted from its logit (OpenAI's; in [-2, 2])."""
+    repetition_penalty: float = 1.0
+    """A token the prompt or the output holds has its logit divided by this when positive, multiplied when
+    negative (vLLM's and transformers'; > 0, 1 = off)."""
+    logit_bias: dict[int, float] | None = None
+    """Token id -> added to its logit (OpenAI's; each in [-100, 100])."""
     min_p: float = 0.0
     """Keep only tokens whose probability (after temperature) is at least min_p times the most likely one's, before
     top-k and top-p (vLLM's and transformers' min_p); 0 = off."""
@@ -88,6 +97,20 @@ class SamplingParams:
             raise ConfigError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ConfigError(f"seed must be an integer, got {self.seed!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -2 <= value <= 2:
+                raise ConfigError(f"{name} must be a number in [-2, 2] (0 = off), got {value!r}")
+        if (isinstance(self.repetition_penalty, bool) or not isinstance(self.repetition_penalty, (int, float))
+                or not 0 < self.repetition_penalty <= 10):
+            raise ConfigError(f"repetition_penalty must be in (0, 10] (1 = off), got {self.repetition_penalty!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or any(
+                    isinstance(k, bool) or not isinstance(k, int) or k < 0 or isinstance(v, bool)
+                    or not isinstance(v, (int, float)) or not -100 <= v <= 100 for k, v in self.logit_bias.items()):
+                raise ConfigError("logit_bias must map token ids (integers >= 0) to numbers in [-100, 100], got "
+                                  f"{self.logit_bias!r}")
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()} or None
         if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
             raise ConfigError(f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}")
         if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
@@ -100,6 +123,48 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < MIN_TEMPERATURE
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the logits are adjusted (penalties or logit_bias) before temperature: then each position's
+        distribution depends on the tokens before it, and a tree node's on the path from the root to it."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+                    or self.logit_bias)
+
+
+def penalize(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int],
+             paths: list[list[int]]) -> torch.Tensor:
+    """logits [N, V] of N positions of one request -> adjusted logits (float32): row i is the position after
+    prompt_ids + output_ids + paths[i] (a tree node's path from the root, [] at the root; a chain's answer so far).
+    In order: logit_bias added; repetition_penalty on every token the prompt or the output so far holds (divide a
+    positive logit, multiply a negative one); frequency_penalty x count and presence_penalty once per token the
+    output so far holds, subtracted (vLLM's order). The counts of row i include paths[i]: a penalty computed from
+    the root's prefix for every node would be wrong (certify's broken variant `penalties_from_root`)."""
+    logits = logits.float().clone()
+    N, V = logits.shape
+    device = logits.device
+    if params.logit_bias:
+        ids = [t for t in params.logit_bias if t < V]
+        logits[:, ids] += torch.tensor([params.logit_bias[t] for t in ids], device=device)
+    counts = torch.zeros(N, V, device=device)
+    if output_ids:
+        counts += torch.bincount(torch.tensor(output_ids, device=device), minlength=V)[:V].float()
+    rows = [i for i, path in enumerate(paths) for _ in path]
+    if rows:
+        counts.index_put_((torch.tensor(rows, device=device), torch.tensor([t for p in paths for t in p],
+                                                                           device=device)),
+                          torch.ones(len(rows), device=device), accumulate=True)
+    if params.repetition_penalty != 1:
+        seen = counts > 0
+        if prompt_ids:
+            seen |= (torch.bincount(torch.tensor(prompt_ids, device=device), minlength=V)[:V] > 0)[None]
+        r = params.repetition_penalty
+        logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
+    if params.frequency_penalty:
+        logits -= params.frequency_penalty * counts
+    if params.presence_penalty:
+        logits -= params.presence_penalty * (counts > 0).float()
+    return logits
 
 
 def processed_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,

@@ -40,6 +40,12 @@ class CertifyConfig:
     """Top-k (0 = off)."""
     min_p: float = 0.0
     """min_p (0 = off)."""
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict | None = None
+    """Penalties and logit_bias (SamplingParams'): the reference distribution of each position applies them from
+    the prompt and the answer before it."""
     sampler: str = "race"
     """SamplingParams.sampler: "race" (the default: identity verification of the race's winners) or "rejection"
     (rejection sampling of the drafts)."""
@@ -54,14 +60,19 @@ class CertifyConfig:
     max_prompt_tokens: int = 128
     """Prompts are cut to their last this many tokens."""
 
+    def sampling_fields(self) -> dict:
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
+                "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+                "repetition_penalty": self.repetition_penalty, "logit_bias": self.logit_bias,
+                "sampler": self.sampler}
+
     def __post_init__(self):
         from specdecode.sampling import SamplingParams
 
         if self.temperature <= 0:
             raise ConfigError("certify tests sampling: give --temperature > 0 (greedy speculation is checked by "
                               "comparing with plain greedy decoding)")
-        SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-                       sampler=self.sampler)  # validates them
+        SamplingParams(**self.sampling_fields())  # validates them
         for name in ("samples", "max_tokens", "num_prompts", "max_prompt_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
@@ -100,7 +111,8 @@ class CertifyReport:
         rate = self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
         lines = [
             f"certify {self.model} with {spec.get('method')} (T={self.config.temperature:g}, "
-            f"top_p={self.config.top_p:g}, top_k={self.config.top_k}, min_p={self.config.min_p:g}, {self.config.sampler} sampler): {v.n} tokens "
+            f"top_p={self.config.top_p:g}, top_k={self.config.top_k}, min_p={self.config.min_p:g}, "
+            f"{self.config.sampler} sampler): {v.n} tokens "
             f"from {self.requests} requests ({self.prompt_source} prompts), {self.draft_tokens} draft tokens, "
             f"{rate:.1%} accepted",
             f"  PIT uniformity (Kolmogorov-Smirnov): p = {v.pit_ks_p:.3g} (mean PIT {v.pit_mean:.4f}, 0.5 expected)",
@@ -129,9 +141,8 @@ def certify(llm, config: CertifyConfig, reference=None) -> CertifyReport:
     texts, source = prompt_texts(config.prompts, config.num_prompts)
     prompts = prompt_ids(llm.tokenizer, texts, min(config.max_prompt_tokens, llm.max_model_len - config.max_tokens - 1))
     requests = math.ceil(config.samples / config.max_tokens)
-    params = [SamplingParams(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
-                             min_p=config.min_p, max_tokens=config.max_tokens, seed=config.seed * 1_000_003 + i, ignore_eos=True,
-                             sampler=config.sampler)
+    params = [SamplingParams(max_tokens=config.max_tokens, seed=config.seed * 1_000_003 + i, ignore_eos=True,
+                             **config.sampling_fields())
               for i in range(requests)]
     inputs = [prompts[i % len(prompts)] for i in range(requests)]
     before = dataclasses.replace(llm.total_stats)
@@ -172,7 +183,7 @@ def _recompute(reference, prompt: list[int], answers: list[list[int]], params: S
     import torch
 
     from specdecode.certify.stats import position_stats
-    from specdecode.sampling import params_tensors, processed_probs
+    from specdecode.sampling import params_tensors, penalize, processed_probs
 
     with torch.inference_mode():
         device = reference.device
@@ -192,6 +203,8 @@ def _recompute(reference, prompt: list[int], answers: list[list[int]], params: S
                 hidden = last
             logits = reference.lm_head(hidden).float()  # [G, V]
             G = len(answer)
+            if params.penalized:  # position g follows prompt + answer[:g]
+                logits = penalize(logits, params, list(prompt), [], [list(answer[:g]) for g in range(G)])
             p = processed_probs(logits, *params_tensors([params], [G], device=logits.device)).cpu()  # [G, V]
             parts.append(position_stats(p, torch.tensor(answer), generator))
         return parts

@@ -34,6 +34,9 @@ def register(sub) -> None:
     p.add_argument("--top-p", type=PROBABILITY, default=d.top_p, help=f"(default {d.top_p:g})")
     p.add_argument("--top-k", type=int_range(0), default=d.top_k, help="0 = off (default)")
     p.add_argument("--min-p", type=float_range(0.0, 1.0), default=d.min_p, help="0 = off (default)")
+    p.add_argument("--presence-penalty", type=float_range(-2.0, 2.0), default=d.presence_penalty)
+    p.add_argument("--frequency-penalty", type=float_range(-2.0, 2.0), default=d.frequency_penalty)
+    p.add_argument("--repetition-penalty", type=float_range(0.0, 10.0, lo_open=True), default=d.repetition_penalty)
     p.add_argument("--samples", type=int_range(16, 10_000_000), default=DEFAULT_SAMPLES,
                    help=f"emitted tokens to test (default {DEFAULT_SAMPLES})")
     p.add_argument("--max-tokens", type=TOKENS, default=d.max_tokens,
@@ -59,7 +62,9 @@ def cmd_certify(args) -> int:
 
     set_threads(args.threads)
     config = CertifyConfig(samples=args.samples, max_tokens=args.max_tokens, temperature=args.temperature,
-                           top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed, alpha=args.alpha, prompts=args.prompts,
+                           top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                           presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                           repetition_penalty=args.repetition_penalty, seed=args.seed, alpha=args.alpha, prompts=args.prompts,
                            sampler=args.sampler)
     if args.no_speculation:
         raise ConfigError("certify tests speculation: drop --no-speculation")

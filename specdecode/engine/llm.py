@@ -109,6 +109,9 @@ class LLM:
             text, ids = None, list(prompt)
         if not ids or text == "":  # "" still encodes to [BOS] with tokenizers that add one
             raise ConfigError("the prompt is empty; give at least one token of text")
+        vocab = self.target.config.vocab_size
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ConfigError(f"logit_bias names token {max(params.logit_bias)} but the vocabulary has {vocab} tokens")
         if len(ids) >= self.max_model_len:
             raise ConfigError(f"the prompt has {len(ids)} tokens but the model's context is {self.max_model_len}; "
                               "shorten the prompt")

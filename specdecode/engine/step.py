@@ -15,8 +15,8 @@ from specdecode.engine.prefix_cache import SlotPool
 from specdecode.model.cache import KVCache
 from specdecode.engine.sequence import Sequence
 from specdecode.model.llama import LlamaForCausalLM
-from specdecode.sampling import (DRAW, params_tensors, position_uniforms, processed_probs, race_tokens, raced,
-                                 sample_rows, token_logprobs)
+from specdecode.sampling import (DRAW, params_tensors, penalize, position_uniforms, processed_probs, race_tokens,
+                                 raced, sample_rows, token_logprobs)
 from specdecode.speculation.proposers.base import NO_FEATURES, Proposer, TargetFeatures
 from specdecode.speculation.tree import DraftTree
 from specdecode.speculation.verify import verify_step
@@ -100,7 +100,8 @@ class StepRunner:
         last = hidden[torch.arange(len(seqs), device=device), torch.tensor(lens, device=device) - 1]  # [B, D]
         logits = self.target.lm_head(last)  # [B, V]
         self.cache.advance(slots, torch.tensor(lens))
-        first = self._sample_roots(seqs, logits)
+        roots = self._penalized(seqs, logits[:, None], [DraftTree.empty()] * len(seqs))[:, 0]
+        first = self._sample_roots(seqs, roots)
         logprobs = self._logprobs(seqs, logits[:, None], [[0]] * len(seqs), [[t] for t in first])
         elapsed = time.perf_counter() - start
         self.mutated = True  # from here on the sequences change
@@ -167,6 +168,22 @@ class StepRunner:
         return drawn.tolist()
 
     @staticmethod
+    def _penalized(seqs: list[Sequence], logits: torch.Tensor, trees: list[DraftTree]) -> torch.Tensor:
+        """logits [B, W, V] of [root, nodes...] per row, with the penalties and logit_bias of the rows that set them
+        applied at every node from the output so far plus the node's path (the raw logits are left as they are:
+        logprobs read them)."""
+        rows = [b for b, s in enumerate(seqs) if s.params.penalized]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        for b in rows:
+            seq, tree = seqs[b], trees[b]
+            paths = [[]] + [tree.tokens[tree.path_to(i)].tolist() for i in range(len(tree))]
+            logits[b, :len(paths)] = penalize(logits[b, :len(paths)], seq.params, seq.token_ids[:seq.num_prompt],
+                                              seq.output_ids, paths).to(logits.dtype)
+        return logits
+
+    @staticmethod
     def _logprobs(seqs: list[Sequence], logits: torch.Tensor, positions: list[list[int]],
                   tokens: list[list[int]]) -> list[list | None]:
         """Per sequence, the TokenLogprob of each new token (None for one that did not ask): token i of row b was
@@ -208,7 +225,7 @@ class StepRunner:
         batch = StepBatch.build([s.token_ids[-1] for s in seqs], trees, [s.slot for s in seqs], self.cache.lengths,
                                 device)
         out = self.target(batch.ids, cache=self.cache, hidden_layers=self.features.layers, **batch.target_inputs())
-        results = verify_step(trees, out.logits, [s.params for s in seqs], [s.random.key for s in seqs],
+        results = verify_step(trees, self._penalized(seqs, out.logits, trees), [s.params for s in seqs], [s.random.key for s in seqs],
                               [s.num_generated for s in seqs])
         slots, width = batch.slots, batch.width
 

@@ -114,7 +114,9 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
                               "max_tokens")
         fields = {"max_tokens": max_tokens, "stop": req.stop, "seed": req.seed, "ignore_eos": req.ignore_eos,
                   "use_speculation": req.use_speculation, "sampler": req.sampler, "logprobs": logprobs}
-        for name in ("temperature", "top_p", "top_k", "min_p"):
+        fields["logit_bias"] = req.token_bias(vocab)
+        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
             if getattr(req, name) is not None:
                 fields[name] = getattr(req, name)
         try:

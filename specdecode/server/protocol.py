@@ -41,6 +41,8 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
+MAX_LOGIT_BIAS = 300
+"""Most tokens one logit_bias may name (OpenAI's limit)."""
 MAX_LOGPROBS = 20
 """Most alternatives per token (OpenAI's top_logprobs limit; completions' logprobs takes the same here)."""
 
@@ -78,7 +80,8 @@ class _Request(BaseModel):
     text with or without speculation)."""
     # Fields OpenAI (or vLLM, which clients also target) defines that specdecode does not implement yet: each is
     # refused with a 400 naming it when it asks for anything but the default, never silently ignored.
-    repetition_penalty: Any = None
+    repetition_penalty: float | None = Field(None, allow_inf_nan=False)
+    """vLLM's extension: SamplingParams.repetition_penalty."""
     response_format: Any = None
     guided_json: Any = None
     guided_regex: Any = None
@@ -92,8 +95,7 @@ class _Request(BaseModel):
     web_search_options: Any = None
 
     def check_supported(self) -> None:
-        unsupported = {"repetition_penalty": self.repetition_penalty not in (None, 1, 1.0),
-                       "response_format": self.response_format not in (None, {"type": "text"}),
+        unsupported = {"response_format": self.response_format not in (None, {"type": "text"}),
                        "modalities": self.modalities not in (None, ["text"])}
         for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
                      "prediction", "audio", "reasoning_effort", "web_search_options"):
@@ -103,11 +105,21 @@ class _Request(BaseModel):
                 raise bad_request(f"{name} is not supported by this server yet; leave it out", name)
         if self.n not in (None, 1):
             raise bad_request("only n=1 is supported; send several requests for several completions", "n")
-        if self.presence_penalty or self.frequency_penalty:
-            raise bad_request("presence_penalty and frequency_penalty are not supported (they would change the "
-                              "model's distribution); leave them at 0", "presence_penalty")
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported", "logit_bias")
+        if self.logit_bias and len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise bad_request(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens", "logit_bias")
+
+    def token_bias(self, vocab: int) -> dict[int, float] | None:
+        """logit_bias with its keys as token ids; a key that is not a token id of this model is a 400."""
+        if not self.logit_bias:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            if not key.isascii() or not key.isdigit() or int(key) >= vocab:
+                raise bad_request(f"logit_bias keys must be token ids in [0, {vocab}), got {key!r}", "logit_bias")
+            if not -100 <= value <= 100:
+                raise bad_request(f"logit_bias values must be in [-100, 100], got {value!r}", "logit_bias")
+            bias[int(key)] = value
+        return bias
 
 
 class CompletionRequest(_Request):

@@ -8,7 +8,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
 from specdecode.server.limits import ServerLimits
-from specdecode.server.protocol import MAX_LOGPROBS, ChatCompletionRequest, CompletionRequest
+from specdecode.server.protocol import MAX_LOGIT_BIAS, MAX_LOGPROBS, ChatCompletionRequest, CompletionRequest
 
 REF = "#/components/schemas/{model}"
 
@@ -141,9 +141,13 @@ def accepted_fields(model_name: str, vocab: int, context: int, limits: ServerLim
         "n": _nullable({"type": "integer", "enum": [1]}),
         "stop": {"anyOf": [stop, {"type": "array", "items": stop, "maxItems": limits.max_stop_strings},
                            {"type": "null"}]},
-        "presence_penalty": _nullable({"type": "number", "enum": [0]}),
-        "frequency_penalty": _nullable({"type": "number", "enum": [0]}),
-        "logit_bias": _nullable({"type": "object", "maxProperties": 0}),
+        "min_p": _nullable({"type": "number", "minimum": 0, "maximum": 1}),
+        "presence_penalty": _nullable({"type": "number", "minimum": -2, "maximum": 2}),
+        "frequency_penalty": _nullable({"type": "number", "minimum": -2, "maximum": 2}),
+        "repetition_penalty": _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 10}),
+        "logit_bias": _nullable({"type": "object", "maxProperties": MAX_LOGIT_BIAS,
+                                 "propertyNames": {"pattern": "^[0-9]+$"},
+                                 "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}}),
         "max_tokens": _nullable(tokens),
     }
     completion = {

@@ -98,6 +98,13 @@ def probs_without_min_p(logits, temperature, top_k, top_p, min_p=None):
     return processed_probs(logits, temperature, top_k, top_p)
 
 
+def penalties_from_root(logits, params, prompt_ids, output_ids, paths):
+    """Penalties computed from the root's prefix for every tree node: the drafted path before a node is ignored."""
+    from specdecode.sampling import penalize
+
+    return penalize(logits, params, prompt_ids, output_ids, [[] for _ in paths])
+
+
 BROKEN = {
     "correction_from_p": {"verify_chains": chains_correction_from_p, "verify_sampling": tree_correction_from_p},
     "q_other_temperature": {"verify_chains": chains_q_other_temperature(), "verify_sampling": tree_q_other_temperature()},
@@ -105,6 +112,7 @@ BROKEN = {
     "race_off_by_one": {"race_positions": race_positions_off_by_one},
     "race_uniform_noise": {"race_tokens": race_uniform_noise},
     "min_p_dropped": {"processed_probs": probs_without_min_p},
+    "penalties_from_root": {"penalize": penalties_from_root},
 }
 """Name -> the verifier functions to replace (verify_sampling: the rule for each sampled tree)."""
 
@@ -113,7 +121,11 @@ def inject(monkeypatch, name: str) -> None:
     from tests.speculation.heads_fixtures import per_tree
 
     for attr, fn in BROKEN[name].items():
-        if attr == "verify_sampling":  # a per-tree rule, where the step verifies every tree at once
+        if attr == "penalize":  # where the step applies them (certify's reference keeps the real one)
+            import specdecode.engine.step as step_module
+
+            monkeypatch.setattr(step_module, "penalize", fn)
+        elif attr == "verify_sampling":  # a per-tree rule, where the step verifies every tree at once
             monkeypatch.setattr(verify_module, "verify_trees", per_tree(fn))
         else:
             monkeypatch.setattr(verify_module, attr, fn)

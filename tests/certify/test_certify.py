@@ -94,6 +94,21 @@ def test_min_p(pair, monkeypatch, sampler):
     assert not bad.passed and bad.p_value < 1e-6, bad
 
 
+PENALTIES = {"presence_penalty": 1.0, "frequency_penalty": 0.5, "repetition_penalty": 1.5,
+             "logit_bias": {3: 2.0, 5: -3.0}}
+
+
+@pytest.mark.parametrize("sampler", ["race", "rejection"])
+def test_penalties(pair, monkeypatch, sampler):
+    """Penalties and logit_bias certified at every tree node under both samplers; penalties computed from the
+    root's prefix for every node (the drafted path ignored) are rejected decisively."""
+    good = run(pair, "chain", samples=2048, sampler=sampler, temperature=1.0, **PENALTIES)
+    assert good.passed and good.p_value > 1e-3 and good.impossible == 0, good
+    broken.inject(monkeypatch, "penalties_from_root")
+    bad = run(pair, "chain", sampler=sampler, temperature=1.0, **PENALTIES)
+    assert not bad.passed and bad.p_value < 1e-6, bad
+
+
 def test_cli_verdict_exit_code_and_json(pair, monkeypatch, tmp_path, capsys):
     argv = ["certify", "--model", str(pair / "target"), "--speculative-model", str(pair / "draft"),
             "--num-speculative-tokens", "3", "--samples", "1024", "--prompts", "builtin", "--json"]

@@ -46,13 +46,30 @@ def test_chat_logprobs_streamed_equal_whole(server):
     assert joined.decode("utf-8", errors="replace") == c.chat.completions.create(**kwargs).choices[0].message.content
 
 
+def test_penalties_and_bias_equal_the_python_api(server, reference):
+    c = client(server)
+    fields = {"presence_penalty": 1.0, "frequency_penalty": 0.4, "logit_bias": {"7": 5.0, "9": -100}}
+    got = c.completions.create(model="tiny", prompt="def f(x):", max_tokens=16, temperature=0,
+                               extra_body={"ignore_eos": True, "repetition_penalty": 1.3}, **fields)
+    want = reference.generate("def f(x):", SamplingParams(
+        temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=1.3, presence_penalty=1.0,
+        frequency_penalty=0.4, logit_bias={7: 5.0, 9: -100}))[0].outputs[0]
+    plain = reference.generate("def f(x):", SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0]
+    assert got.choices[0].text == want.text != plain.outputs[0].text
+    assert 9 not in want.token_ids
+
+
 @pytest.mark.parametrize("path,body,param", [
+    ("completions", {"logit_bias": {"abc": 1}}, "logit_bias"),
+    ("completions", {"logit_bias": {"100000": 1}}, "logit_bias"),
+    ("completions", {"logit_bias": {"5": 150}}, "logit_bias"),
+    ("completions", {"presence_penalty": 2.5}, "presence_penalty"),
+    ("completions", {"repetition_penalty": 0}, "repetition_penalty"),
     ("chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
     ("chat/completions", {"tool_choice": "required"}, "tool_choice"),
     ("chat/completions", {"functions": [{"name": "f"}]}, "functions"),
     ("chat/completions", {"top_logprobs": 2}, "top_logprobs"),
     ("chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ("chat/completions", {"repetition_penalty": 1.2}, "repetition_penalty"),
     ("chat/completions", {"guided_json": {"type": "object"}}, "guided_json"),
     ("chat/completions", {"modalities": ["text", "audio"]}, "modalities"),
     ("completions", {"logprobs": 21}, "logprobs"),
@@ -68,5 +85,5 @@ def test_unsupported_fields_are_named(server, path, body, param):
 
 def test_defaults_of_unimplemented_fields_are_accepted(server):
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "response_format": {"type": "text"},
-            "tool_choice": "none", "repetition_penalty": 1.0, "logprobs": False}
+            "tool_choice": "none", "repetition_penalty": 1.0, "logprobs": False, "presence_penalty": 0.5}
     assert httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=JSON).status_code == 200
