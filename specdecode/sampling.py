@@ -26,6 +26,25 @@ TRUNCATION_CANDIDATES = (256, 4096)
 only if they are not enough to decide it."""
 
 
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
+"""SamplingParams.structured's keys: exactly one of them."""
+
+
+def check_structured(spec: dict) -> None:
+    """A clear error for a structured-output spec of the wrong shape (its grammar is checked when compiled)."""
+    if not isinstance(spec, dict) or len(spec) != 1 or next(iter(spec)) not in STRUCTURED_KINDS:
+        raise ConfigError(f"structured must be a dict with exactly one of {', '.join(STRUCTURED_KINDS)}, "
+                          f"got {spec!r}")
+    kind, value = next(iter(spec.items()))
+    if kind == "json_schema" and not isinstance(value, (dict, bool)):
+        raise ConfigError("structured json_schema must be a JSON schema (a dict)")
+    if kind in ("regex", "grammar") and (not isinstance(value, str) or not value):
+        raise ConfigError(f"structured {kind} must be a non-empty string")
+    if kind == "choice" and (not isinstance(value, list) or not value or
+                             any(not isinstance(c, str) or not c for c in value)):
+        raise ConfigError("structured choice must be a non-empty list of non-empty strings")
+
+
 @dataclasses.dataclass
 class SamplingParams:
     """Per-request decoding parameters, with vLLM's names and defaults."""
@@ -71,6 +90,11 @@ class SamplingParams:
     negative (vLLM's and transformers'; > 0, 1 = off)."""
     logit_bias: dict[int, float] | None = None
     """Token id -> added to its logit (OpenAI's; each in [-100, 100])."""
+    structured: dict | None = None
+    """Structured output: exactly one of {"json_schema": schema}, {"json_object": True}, {"regex": pattern},
+    {"grammar": Lark grammar}, {"choice": [strings]}; the target's distribution at every position (every tree
+    node) is masked to the tokens the grammar allows there (speculation/grammar.py, llguidance), and the request
+    ends when the grammar is complete."""
     min_p: float = 0.0
     """Keep only tokens whose probability (after temperature) is at least min_p times the most likely one's, before
     top-k and top-p (vLLM's and transformers' min_p); 0 = off."""
@@ -111,6 +135,8 @@ class SamplingParams:
                 raise ConfigError("logit_bias must map token ids (integers >= 0) to numbers in [-100, 100], got "
                                   f"{self.logit_bias!r}")
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()} or None
+        if self.structured is not None:
+            check_structured(self.structured)
         if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
             raise ConfigError(f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}")
         if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)

@@ -44,6 +44,7 @@ class CertifyConfig:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict | None = None
+    structured: dict | None = None
     """Penalties and logit_bias (SamplingParams'): the reference distribution of each position applies them from
     the prompt and the answer before it."""
     sampler: str = "race"
@@ -64,6 +65,7 @@ class CertifyConfig:
         return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
                 "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
                 "repetition_penalty": self.repetition_penalty, "logit_bias": self.logit_bias,
+                "structured": self.structured,
                 "sampler": self.sampler}
 
     def __post_init__(self):
@@ -157,7 +159,7 @@ def certify(llm, config: CertifyConfig, reference=None) -> CertifyReport:
     for first in range(len(prompts)):  # requests of one prompt share its prefill
         answers = [out.outputs[0].token_ids for out in outputs[first::len(prompts)]]
         if answers:
-            parts += _recompute(reference, prompts[first], answers, params[0], generator)
+            parts += _recompute(reference, prompts[first], answers, params[0], generator, llm.tokenizer)
     checked = time.perf_counter()
     positions = PositionStats.concat(parts)
     spec = llm.spec_config
@@ -176,7 +178,7 @@ def _float32_target(llm):
 
 
 def _recompute(reference, prompt: list[int], answers: list[list[int]], params: SamplingParams,
-               generator: torch.Generator) -> list[PositionStats]:
+               generator: torch.Generator, tokenizer=None) -> list[PositionStats]:
     """The reference's processed distribution before each generated token of each answer to one prompt (the prompt
     through the cache once, then each answer causally after it: the same numbers as one forward over prompt +
     answer), and the tests' per-position statistics."""
@@ -184,6 +186,7 @@ def _recompute(reference, prompt: list[int], answers: list[list[int]], params: S
 
     from specdecode.certify.stats import position_stats
     from specdecode.sampling import params_tensors, penalize, processed_probs
+    from specdecode.speculation.grammar import Grammar
 
     with torch.inference_mode():
         device = reference.device
@@ -205,6 +208,10 @@ def _recompute(reference, prompt: list[int], answers: list[list[int]], params: S
             G = len(answer)
             if params.penalized:  # position g follows prompt + answer[:g]
                 logits = penalize(logits, params, list(prompt), [], [list(answer[:g]) for g in range(G)])
+            if params.structured is not None:  # the grammar's mask after answer[:g]
+                masks = Grammar(params.structured, tokenizer, logits.shape[-1]).tree_masks(
+                    [list(answer[:g]) for g in range(G)])
+                logits = logits.masked_fill(~masks.to(logits.device), float("-inf"))
             p = processed_probs(logits, *params_tensors([params], [G], device=logits.device)).cpu()  # [G, V]
             parts.append(position_stats(p, torch.tensor(answer), generator))
         return parts

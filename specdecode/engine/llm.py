@@ -115,8 +115,13 @@ class LLM:
         if len(ids) >= self.max_model_len:
             raise ConfigError(f"the prompt has {len(ids)} tokens but the model's context is {self.max_model_len}; "
                               "shorten the prompt")
-        return Sequence(request_id or str(next(self._ids)), text, ids, params, self.tokenizer,
-                        self.tokenizer.eos_token_ids)
+        seq = Sequence(request_id or str(next(self._ids)), text, ids, params, self.tokenizer,
+                       self.tokenizer.eos_token_ids)
+        if params.structured is not None:
+            from specdecode.speculation.grammar import Grammar
+
+            seq.grammar = Grammar(params.structured, self.tokenizer, vocab)
+        return seq
 
     def make_controller(self) -> SpecController:
         """An adaptive speculation controller for this engine (times the machine: seconds)."""

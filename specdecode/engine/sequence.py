@@ -117,6 +117,8 @@ class Sequence:
         self.stop_holdback = max(map(len, params.stop), default=1) - 1
         """Characters at the end of the text that may begin a stop string (0 without stop strings)."""
         self.finish_reason: str | None = None
+        self.grammar = None
+        """The request's structured-output state (speculation/grammar.py), set by the engine that made it."""
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         """Per generated token (SamplingParams.logprobs): kept in step with output_ids."""
 
@@ -167,6 +169,10 @@ class Sequence:
                 self.finish_reason = "stop"
             elif self.num_generated >= params.max_tokens or len(self.token_ids) >= max_len:
                 self.finish_reason = "length"
+            if self.grammar is not None and not self.finished:
+                self.grammar.consume([token])
+                if self.grammar.stopped:  # the grammar is complete: nothing more may follow
+                    self.finish_reason = "stop"
             self._add_text(self.detokenizer.add([token], final=self.finished))
             if self.finished:
                 break

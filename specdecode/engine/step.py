@@ -170,17 +170,21 @@ class StepRunner:
     @staticmethod
     def _penalized(seqs: list[Sequence], logits: torch.Tensor, trees: list[DraftTree]) -> torch.Tensor:
         """logits [B, W, V] of [root, nodes...] per row, with the penalties and logit_bias of the rows that set them
-        applied at every node from the output so far plus the node's path (the raw logits are left as they are:
-        logprobs read them)."""
-        rows = [b for b, s in enumerate(seqs) if s.params.penalized]
+        applied at every node from the output so far plus the node's path, then the grammar's mask of a
+        structured request (the raw logits are left as they are: logprobs read them)."""
+        rows = [b for b, s in enumerate(seqs) if s.params.penalized or s.grammar is not None]
         if not rows:
             return logits
         logits = logits.clone()
         for b in rows:
             seq, tree = seqs[b], trees[b]
             paths = [[]] + [tree.tokens[tree.path_to(i)].tolist() for i in range(len(tree))]
-            logits[b, :len(paths)] = penalize(logits[b, :len(paths)], seq.params, seq.token_ids[:seq.num_prompt],
-                                              seq.output_ids, paths).to(logits.dtype)
+            rows_b = logits[b, :len(paths)]
+            if seq.params.penalized:
+                rows_b = penalize(rows_b, seq.params, seq.token_ids[:seq.num_prompt], seq.output_ids, paths)
+            if seq.grammar is not None:  # the grammar's mask at every node, from the state after its path
+                rows_b = rows_b.masked_fill(~seq.grammar.tree_masks(paths).to(rows_b.device), float("-inf"))
+            logits[b, :len(paths)] = rows_b.to(logits.dtype)
         return logits
 
     @staticmethod

@@ -115,14 +115,22 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
         fields = {"max_tokens": max_tokens, "stop": req.stop, "seed": req.seed, "ignore_eos": req.ignore_eos,
                   "use_speculation": req.use_speculation, "sampler": req.sampler, "logprobs": logprobs}
         fields["logit_bias"] = req.token_bias(vocab)
+        source, fields["structured"] = req.structured()
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
             if getattr(req, name) is not None:
                 fields[name] = getattr(req, name)
         try:
-            return SamplingParams(**fields)
+            params = SamplingParams(**fields)
+            if params.structured is not None:  # compile the grammar now: a bad one is this request's 400
+                from specdecode.speculation.grammar import Grammar
+
+                Grammar(params.structured, llm.tokenizer, vocab)
+            return params
         except ConfigError as exc:  # its messages start with the field's name
             field = str(exc).split(" ", 1)[0]
+            if field == "structured":
+                raise bad_request(str(exc), source) from None
             raise bad_request(str(exc), field if field in fields else None) from None
 
     def tokenize(prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:

@@ -5,9 +5,13 @@ fields OpenAI defines that specdecode does not implement are refused with a 400 
 """
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+
+from specdecode.errors import ConfigError
+from specdecode.sampling import check_structured
 
 
 def _integral(value):
@@ -94,11 +98,57 @@ class _Request(BaseModel):
     reasoning_effort: Any = None
     web_search_options: Any = None
 
+    def structured(self) -> tuple[str | None, dict | None]:
+        """(field, SamplingParams.structured) from response_format (OpenAI) or vLLM's guided_* /
+        structured_outputs; at most one of them, or a 400 naming the field. (None, None) without one."""
+        found = []
+        rf = self.response_format
+        if rf is not None and rf != {"type": "text"}:
+            kind = rf.get("type") if isinstance(rf, dict) else None
+            if kind == "json_object":
+                found.append(("response_format", {"json_object": True}))
+            elif kind == "json_schema" and isinstance(rf.get("json_schema"), dict):
+                schema = rf["json_schema"].get("schema")
+                found.append(("response_format", {"json_schema": schema} if isinstance(schema, dict) and schema
+                              else {"json_object": True}))
+            else:
+                raise bad_request("response_format must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                                  "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}",
+                                  "response_format")
+        guided = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
+                  "guided_grammar": "grammar"}
+        for name, kind in guided.items():
+            value = getattr(self, name)
+            if value is not None:
+                if kind == "json_schema" and isinstance(value, str):
+                    try:
+                        value = json.loads(value)
+                    except json.JSONDecodeError:
+                        raise bad_request(f"{name} must be a JSON schema", name) from None
+                found.append((name, {kind: value}))
+        if self.structured_outputs is not None:
+            so = self.structured_outputs
+            keys = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+            picked = [(keys[k], v) for k, v in so.items() if k in keys and v is not None] if isinstance(so, dict) else []
+            if len(picked) != 1:
+                raise bad_request("structured_outputs must hold exactly one of json, regex, choice, grammar",
+                                  "structured_outputs")
+            found.append(("structured_outputs", dict(picked)))
+        if len(found) > 1:
+            raise bad_request(f"give one of {', '.join(n for n, _ in found)}, not several", found[1][0])
+        if not found:
+            return None, None
+        name, spec = found[0]
+        try:
+            check_structured(spec)
+        except ConfigError as exc:
+            raise bad_request(str(exc), name) from None
+        return name, spec
+
     def check_supported(self) -> None:
-        unsupported = {"response_format": self.response_format not in (None, {"type": "text"}),
-                       "modalities": self.modalities not in (None, ["text"])}
-        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
-                     "prediction", "audio", "reasoning_effort", "web_search_options"):
+        unsupported = {"modalities": self.modalities not in (None, ["text"])}
+        self.structured()
+        for name in ("prediction", "audio", "reasoning_effort", "web_search_options"):
             unsupported[name] = getattr(self, name) is not None
         for name, refused in unsupported.items():
             if refused:

@@ -105,6 +105,14 @@ def penalties_from_root(logits, params, prompt_ids, output_ids, paths):
     return penalize(logits, params, prompt_ids, output_ids, [[] for _ in paths])
 
 
+def grammar_mask_from_root(real):
+    """The grammar's mask of the root used at every tree node (the drafted path before a node ignored)."""
+    def tree_masks(self, paths):
+        masks = real(self, [[]])
+        return masks.expand(len(paths), -1)
+    return tree_masks
+
+
 BROKEN = {
     "correction_from_p": {"verify_chains": chains_correction_from_p, "verify_sampling": tree_correction_from_p},
     "q_other_temperature": {"verify_chains": chains_q_other_temperature(), "verify_sampling": tree_q_other_temperature()},
@@ -113,6 +121,7 @@ BROKEN = {
     "race_uniform_noise": {"race_tokens": race_uniform_noise},
     "min_p_dropped": {"processed_probs": probs_without_min_p},
     "penalties_from_root": {"penalize": penalties_from_root},
+    "grammar_from_root": {"tree_masks": None},
 }
 """Name -> the verifier functions to replace (verify_sampling: the rule for each sampled tree)."""
 
@@ -121,7 +130,25 @@ def inject(monkeypatch, name: str) -> None:
     from tests.speculation.heads_fixtures import per_tree
 
     for attr, fn in BROKEN[name].items():
-        if attr == "penalize":  # where the step applies them (certify's reference keeps the real one)
+        if attr == "tree_masks":  # in the step only: certify's reference keeps the real masks
+            import specdecode.engine.step as step_module
+            from specdecode.speculation.grammar import Grammar
+
+            class RootMasked(Grammar):
+                tree_masks = grammar_mask_from_root(Grammar.tree_masks)
+
+                def consume(self, tokens):  # tokens the real grammar forbids (from a node's wrong mask) are skipped
+                    for token in tokens:
+                        self.matcher.try_consume_tokens([token])
+            real_init = step_module.StepRunner._penalized
+
+            def penalized(seqs, logits, trees):
+                for seq in seqs:
+                    if seq.grammar is not None and type(seq.grammar) is Grammar:
+                        seq.grammar.__class__ = RootMasked
+                return real_init(seqs, logits, trees)
+            monkeypatch.setattr(step_module.StepRunner, "_penalized", staticmethod(penalized))
+        elif attr == "penalize":  # where the step applies them (certify's reference keeps the real one)
             import specdecode.engine.step as step_module
 
             monkeypatch.setattr(step_module, "penalize", fn)

@@ -1,5 +1,8 @@
 """logprobs, top_logprobs and min_p through the real server and the official openai client, under speculation; the
 OpenAI fields not implemented yet are refused with a 400 that names them."""
+import json
+import re
+
 import httpx
 import openai
 import pytest
@@ -65,12 +68,10 @@ def test_penalties_and_bias_equal_the_python_api(server, reference):
     ("completions", {"logit_bias": {"5": 150}}, "logit_bias"),
     ("completions", {"presence_penalty": 2.5}, "presence_penalty"),
     ("completions", {"repetition_penalty": 0}, "repetition_penalty"),
-    ("chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
     ("chat/completions", {"tool_choice": "required"}, "tool_choice"),
     ("chat/completions", {"functions": [{"name": "f"}]}, "functions"),
     ("chat/completions", {"top_logprobs": 2}, "top_logprobs"),
     ("chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ("chat/completions", {"guided_json": {"type": "object"}}, "guided_json"),
     ("chat/completions", {"modalities": ["text", "audio"]}, "modalities"),
     ("completions", {"logprobs": 21}, "logprobs"),
     ("completions", {"logprobs": 1, "echo": True}, "echo"),
@@ -87,3 +88,38 @@ def test_defaults_of_unimplemented_fields_are_accepted(server):
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "response_format": {"type": "text"},
             "tool_choice": "none", "repetition_penalty": 1.0, "logprobs": False, "presence_penalty": 0.5}
     assert httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=JSON).status_code == 200
+
+
+def test_structured_output_through_the_openai_client(server):
+    c = client(server)
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                               "n": {"type": "integer"}},
+              "required": ["name", "n"], "additionalProperties": False}
+    answer = c.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "a person"}], max_tokens=64, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}})
+    data = json.loads(answer.choices[0].message.content)
+    assert set(data) == {"name", "n"} and isinstance(data["n"], int)
+    assert answer.choices[0].finish_reason == "stop"
+    regex = c.completions.create(model="tiny", prompt="x", max_tokens=16, temperature=1.0, seed=2,
+                                 extra_body={"guided_regex": "[0-9]{4}"})
+    assert re.fullmatch("[0-9]{4}", regex.choices[0].text)
+    obj = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "json"}], max_tokens=96,
+                                    temperature=0, response_format={"type": "json_object"})
+    if obj.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(obj.choices[0].message.content), dict)
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"guided_regex": ""}, "guided_regex"),
+    ({"guided_grammar": "start: ???"}, "guided_grammar"),
+    ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+])
+def test_bad_structured_requests_are_named(server, body, param):
+    base = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    response = httpx.post(f"{server.url}/v1/chat/completions", json={**base, **body}, headers=JSON)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param

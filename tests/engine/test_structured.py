@@ -1,0 +1,52 @@
+"""Structured output under speculation: the grammar masks the target at the root and at every tree node, so every
+method emits text the grammar accepts, and greedy text is the same with and without speculation."""
+import json
+import re
+
+import pytest
+
+from specdecode.engine.llm import LLM
+from specdecode.errors import ConfigError
+from specdecode.sampling import SamplingParams
+
+PROMPTS = ["def add(a, b):\n    return", "class Point:\n    def __init__(self"]
+SPECS = [None, {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+         {"method": "draft_model", "num_speculative_tokens": 4, "num_drafts": 2}]
+
+
+def engines(tiny_models):
+    for spec in SPECS:
+        if spec and spec["method"] == "draft_model":
+            spec = {**spec, "model": str(tiny_models["draft"])}
+        yield spec, LLM(str(tiny_models["target"]), dtype="float32", max_num_seqs=2,
+                        speculative_config=spec and {**spec, "adaptive": False})
+
+
+@pytest.mark.parametrize("structured,check", [
+    ({"regex": r"[a-c]{3}-[0-9]{2,4}"}, lambda t: re.fullmatch(r"[a-c]{3}-[0-9]{2,4}", t)),
+    ({"choice": ["alpha", "beta", "gamma delta"]}, lambda t: t in ("alpha", "beta", "gamma delta")),
+    ({"json_schema": {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
+                      "required": ["n", "ok"], "additionalProperties": False}},
+     lambda t: set(json.loads(t)) == {"n", "ok"}),
+])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_every_method_follows_the_grammar(tiny_models, structured, check, temperature):
+    params = SamplingParams(temperature=temperature, max_tokens=48, seed=4, structured=structured)
+    texts = {}
+    for spec, llm in engines(tiny_models):
+        outs = llm.generate(PROMPTS, params)
+        for out in outs:
+            assert out.outputs[0].finish_reason == "stop", out.outputs[0]  # the grammar completed
+            assert check(out.outputs[0].text), out.outputs[0].text
+        texts[str(spec)] = [o.outputs[0].text for o in outs]
+    if temperature == 0:  # greedy: the same text with every method
+        assert len(set(map(tuple, texts.values()))) == 1, texts
+
+
+def test_bad_specs_are_refused(tiny_models):
+    for bad in ({"regex": ""}, {"json_schema": 3}, {"choice": []}, {"xml": "a"}, {"regex": "a", "choice": ["b"]}):
+        with pytest.raises(ConfigError, match="structured"):
+            SamplingParams(structured=bad)
+    llm = LLM(str(tiny_models["target"]), dtype="float32", max_num_seqs=1)
+    with pytest.raises(ConfigError, match="structured output"):
+        llm.generate("x", SamplingParams(structured={"grammar": "start: ???"}))
