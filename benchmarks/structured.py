@@ -41,12 +41,13 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=20)
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--method", default="ngram")
+    parser.add_argument("--k", type=int, default=8, help="num_speculative_tokens (also caps a forced run)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, structured={"json_schema": SCHEMA})
     plain = LLM(max_num_seqs=1)
-    spec = LLM(max_num_seqs=1, speculative_config={"method": args.method, "num_speculative_tokens": 4,
+    spec = LLM(max_num_seqs=1, speculative_config={"method": args.method, "num_speculative_tokens": args.k,
                                                    "adaptive": False})
     mask_time = [0.0]
     real = grammar_module.Grammar.tree_masks
@@ -81,7 +82,7 @@ def main() -> None:
               f"mask {result['plain']['mask_share']:.1%} {result['spec']['text'][:70]}", flush=True)
     summary = {"prompts": len(rows), "valid_plain": sum(r["plain"]["valid"] for r in rows),
                "valid_spec": sum(r["spec"]["valid"] for r in rows), "identical": sum(r["identical"] for r in rows),
-               "speedup": totals["plain"] / totals["spec"], "method": args.method,
+               "speedup": totals["plain"] / totals["spec"], "method": args.method, "k": args.k,
                "mask_share_plain": sum(r["plain"]["mask_share"] * r["plain"]["seconds"] for r in rows) / totals["plain"],
                "tokens_per_pass_spec": spec.total_stats.emitted_tokens / max(1, spec.total_stats.steps)}
     print(json.dumps(summary, indent=1))

@@ -63,10 +63,13 @@ class StepRunner:
         """The cache's free slots and what they hold (rebuilt empty with the cache)."""
         # Target hidden states the proposer reads (EAGLE, Medusa), taken from the passes that verify.
         self.features = proposer.feature_request if proposer is not None else NO_FEATURES
+        self.tree_room = 0
+        """The most draft nodes the cache has room for beyond a sequence's tokens (ensure_capacity's tree_size)."""
 
     def ensure_capacity(self, slots: int, max_len: int, tree_size: int) -> None:
         """Caches for `slots` sequences of up to max_len tokens, plus room for one verified tree."""
         self.max_len = max_len
+        self.tree_room = max(self.tree_room, tree_size)
         need = max_len + tree_size + 2
         if self.cache is None or self.cache.num_slots < slots or self.cache.max_len < need:
             old = self.cache
@@ -167,6 +170,24 @@ class StepRunner:
             drawn[drawing] = sample_rows(probs[drawing], u[:, 0].to(logits.device))
         return drawn.tolist()
 
+    def _grammar_tree(self, seq: Sequence, tree: DraftTree) -> DraftTree:
+        """A structured request's tree: the tokens its grammar forces next, drafted for free, when there are any;
+        else the proposer's tree without the nodes the grammar forbids (and their subtrees)."""
+        forced = seq.grammar.forced()[:self.tree_room]
+        if forced:
+            return DraftTree.chain(torch.tensor(forced, dtype=torch.long))
+        if not len(tree) or tree.lookahead is not None:
+            return tree
+        keep = [i for i in range(len(tree)) if seq.grammar.accepts(tree.tokens[tree.path_to(i)].tolist())]
+        if len(keep) == len(tree):
+            return tree
+        if not keep:
+            return DraftTree.empty()
+        index = {old: new for new, old in enumerate(keep)}
+        parents = [index[tree.parents[i]] if tree.parents[i] >= 0 else -1 for i in keep]
+        probs = tree.draft_probs[keep] if tree.draft_probs is not None else None
+        return DraftTree(tokens=tree.tokens[keep], parents=tuple(parents), draft_probs=probs)
+
     @staticmethod
     def _penalized(seqs: list[Sequence], logits: torch.Tensor, trees: list[DraftTree]) -> torch.Tensor:
         """logits [B, W, V] of [root, nodes...] per row, with the penalties and logit_bias of the rows that set them
@@ -224,6 +245,9 @@ class StepRunner:
             trees = self.proposer.propose(seqs, budgets)
         else:
             trees = [DraftTree.empty() for _ in seqs]
+        if getattr(self.proposer, "trees_rewritable", False) and self.tree_room:
+            trees = [self._grammar_tree(s, t) if s.grammar is not None and s.params.use_speculation else t
+                     for s, t in zip(seqs, trees)]
         t1 = time.perf_counter()
 
         batch = StepBatch.build([s.token_ids[-1] for s in seqs], trees, [s.slot for s in seqs], self.cache.lengths,

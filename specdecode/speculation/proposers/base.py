@@ -125,6 +125,10 @@ class Proposer(Protocol):
     draft_network: "torch.nn.Module | None"
     """The network one draft level runs (what the speculation controller times as one draft forward); None for
     methods whose drafting costs no network pass."""
+    trees_rewritable: bool
+    """Whether the step may prune this proposer's trees or replace them (a structured request's forced tokens)
+    before verifying: true where observe() does not read the trees and the drafts are one-hot guesses, so a
+    pruned draft the target could never accept changes nothing (ngram, rest)."""
 
     def ensure_cache(self, slots: int, max_len: int) -> None:
         """Room for `slots` sequences of up to max_len positions in the caches it keeps (a no-op without any)."""

@@ -66,6 +66,7 @@ class _NgramIndex:
 
 
 class NgramProposer(WithoutDraftCache):
+    trees_rewritable = True
     feature_request = NO_FEATURES
 
     def __init__(self, config: NgramConfig):

@@ -56,6 +56,7 @@ def frequency_tree(continuations: list[tuple[int, ...]], num_nodes: int) -> tupl
 
 
 class RestProposer(WithoutDraftCache):
+    trees_rewritable = True
     feature_request = NO_FEATURES
 
     def __init__(self, config: RestConfig, store: Datastore):
