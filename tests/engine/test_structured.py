@@ -50,3 +50,27 @@ def test_bad_specs_are_refused(tiny_models):
     llm = LLM(str(tiny_models["target"]), dtype="float32", max_num_seqs=1)
     with pytest.raises(ConfigError, match="structured output"):
         llm.generate("x", SamplingParams(structured={"grammar": "start: ???"}))
+
+
+def test_forced_tokens_are_drafted_and_forbidden_drafts_pruned(tiny_models):
+    """With prompt lookup, a schema's forced keys are drafted for free and accepted; the text stays plain's."""
+    schema = {"type": "object", "properties": {"first_long_key": {"type": "integer"},
+                                               "second_long_key": {"type": "boolean"}},
+              "required": ["first_long_key", "second_long_key"], "additionalProperties": False}
+    params = SamplingParams(temperature=0, max_tokens=48, structured={"json_schema": schema})
+    plain = LLM(str(tiny_models["target"]), dtype="float32", max_num_seqs=2).generate(PROMPTS, params)
+    llm = LLM(str(tiny_models["target"]), dtype="float32", max_num_seqs=2,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 6, "adaptive": False})
+    spec = llm.generate(PROMPTS, params)
+    assert [o.outputs[0].text for o in spec] == [o.outputs[0].text for o in plain]
+    stats = llm.total_stats
+    assert stats.accepted_tokens >= 6 and stats.emitted_tokens / stats.steps > 1.5, stats
+    # a tree of drafts the grammar forbids is pruned to nothing before the target pass
+    from specdecode.speculation.tree import DraftTree
+    import torch
+
+    seq = llm.make_sequence(PROMPTS[0], SamplingParams(temperature=0, structured={"regex": "[0-9]+"}))
+    digits = llm.tokenizer.encode("7")
+    tree = DraftTree(tokens=torch.tensor([digits[-1], 5, 6]), parents=(-1, -1, 0))
+    pruned = llm.runner._grammar_tree(seq, tree)
+    assert pruned.tokens.tolist() == [digits[-1]] and pruned.parents == (-1,)
