@@ -19,6 +19,8 @@ MIN_TEMPERATURE = 1e-5
 """Temperatures below this are greedy: logits / 1e-40 overflow to inf and softmax would give NaN."""
 MAX_TOP_K = 2**31 - 1
 """Largest top_k accepted (any k >= the vocabulary keeps every token; larger ones cannot become tensors)."""
+MAX_N = 16
+"""Most completions one request may ask for (SamplingParams.n)."""
 MAX_LOGPROBS = 20
 """Most alternatives `logprobs` may ask for per token (OpenAI's top_logprobs limit)."""
 TRUNCATION_CANDIDATES = (256, 4096)
@@ -90,6 +92,9 @@ class SamplingParams:
     negative (vLLM's and transformers'; > 0, 1 = off)."""
     logit_bias: dict[int, float] | None = None
     """Token id -> added to its logit (OpenAI's; each in [-100, 100])."""
+    n: int = 1
+    """Completions to generate for the prompt (1 to MAX_N); they share its prefill, and choice i > 0 draws with
+    its own seed derived from (seed, i) (choice_seed), so seeded choices are reproducible and differ."""
     structured: dict | None = None
     """Structured output: exactly one of {"json_schema": schema}, {"json_object": True}, {"regex": pattern},
     {"grammar": Lark grammar}, {"choice": [strings]}; the target's distribution at every position (every tree
@@ -135,6 +140,8 @@ class SamplingParams:
                 raise ConfigError("logit_bias must map token ids (integers >= 0) to numbers in [-100, 100], got "
                                   f"{self.logit_bias!r}")
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()} or None
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            raise ConfigError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
         if self.structured is not None:
             check_structured(self.structured)
         if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
@@ -191,6 +198,13 @@ def penalize(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int]
     if params.presence_penalty:
         logits -= params.presence_penalty * (counts > 0).float()
     return logits
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice `index` of a request with n > 1: the request's own for choice 0, a mix of both after."""
+    if seed is None or index == 0:
+        return seed
+    return _mix64((seed * 0x9E3779B97F4A7C15 + index) & (2**64 - 1)) >> 2
 
 
 def processed_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,

@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +23,7 @@ from specdecode.errors import ConfigError
 from specdecode.model.loading import resolve_device, resolve_quantization
 from specdecode.model.tokenizer import Tokenizer
 from specdecode.catalog.registry import default_speculative_config, model_name, resolve_model
-from specdecode.sampling import SamplingParams
+from specdecode.sampling import SamplingParams, choice_seed
 from specdecode.speculation.config import SpeculativeConfig, build_proposer, with_shipped_speculator
 from specdecode.speculation.control import SpecController
 
@@ -109,6 +110,9 @@ class LLM:
             text, ids = None, list(prompt)
         if not ids or text == "":  # "" still encodes to [BOS] with tokenizers that add one
             raise ConfigError("the prompt is empty; give at least one token of text")
+        if params.n != 1:
+            raise ConfigError("n > 1 is for generate() and chat() (and the server); a stream or a single sequence "
+                              "is one completion: send n=1")
         vocab = self.target.config.vocab_size
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise ConfigError(f"logit_bias names token {max(params.logit_bias)} but the vocabulary has {vocab} tokens")
@@ -165,13 +169,23 @@ class LLM:
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ConfigError(f"got {len(params)} sampling params for {len(prompts)} prompts")
-        seqs = [self.make_sequence(p, sp) for p, sp in zip(prompts, params)]
+        groups = [[self.make_sequence(p, dataclasses.replace(sp, n=1, seed=choice_seed(sp.seed, i)))
+                   for i in range(sp.n)] for p, sp in zip(prompts, params)]  # a prompt's choices side by side
+        seqs = [s for group in groups for s in group]
         bar = tqdm(total=len(seqs), desc="generate", disable=not use_tqdm)
         for _ in self._run(seqs):
             bar.n = sum(s.finished for s in seqs)
             bar.refresh()
         bar.close()
-        return [s.output() for s in seqs]
+        outputs = []
+        for group in groups:
+            out = group[0].output()
+            for i, seq in enumerate(group[1:], 1):
+                choice = seq.output().outputs[0]
+                choice.index = i
+                out.outputs.append(choice)
+            outputs.append(out)
+        return outputs
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,

@@ -87,12 +87,13 @@ class StepRunner:
     def prefill(self, seqs: list[Sequence]) -> list[str]:
         """Run the prompts and draw each sequence's first token."""
         self.mutated = False
-        device = self.target.device
         start = time.perf_counter()
-        slots = torch.tensor([s.slot for s in seqs])
         for seq in seqs:  # (seq.reused: what the slot held, within reusable(); the scheduler set it)
             self.slots.stats.queries += len(seq.token_ids)
             self.slots.stats.hits += seq.reused
+        everyone, seqs, copies = seqs, *self._shared_prompts(seqs)
+        device = self.target.device
+        slots = torch.tensor([s.slot for s in seqs])
         self.cache.rollback(slots, torch.tensor([s.prefilled for s in seqs]))
         lens = [len(s.token_ids) - s.prefilled for s in seqs]  # positions this prefill runs
         width = max(lens)
@@ -103,18 +104,43 @@ class StepRunner:
         last = hidden[torch.arange(len(seqs), device=device), torch.tensor(lens, device=device) - 1]  # [B, D]
         logits = self.target.lm_head(last)  # [B, V]
         self.cache.advance(slots, torch.tensor(lens))
+        if copies:  # the requests whose prompt another one in this prefill ran: its cache rows and logits
+            for leader, followers in copies.items():
+                self.cache.copy_slot(seqs[leader].slot, [f.slot for f in followers], len(seqs[leader].token_ids))
+                self.slots.stats.hits += sum(len(f.token_ids) - f.reused for f in followers)
+            order = list(range(len(seqs))) + [leader for leader, fs in copies.items() for _ in fs]
+            logits = logits[order]
+            seqs = seqs + [f for fs in copies.values() for f in fs]
         roots = self._penalized(seqs, logits[:, None], [DraftTree.empty()] * len(seqs))[:, 0]
         first = self._sample_roots(seqs, roots)
         logprobs = self._logprobs(seqs, logits[:, None], [[0]] * len(seqs), [[t] for t in first])
         elapsed = time.perf_counter() - start
         self.mutated = True  # from here on the sequences change
-        deltas = []
+        deltas = {}
         for seq, token, lp in zip(seqs, first, logprobs):
             seq.stats.verify_time += elapsed
-            deltas.append(self._append(seq, [token], lp))
+            deltas[id(seq)] = self._append(seq, [token], lp)
         if self.features.wanted:
             self.proposer.observe_target(seqs, TargetFeatures.select(out, self.features, lens))
-        return deltas
+        return [deltas[id(seq)] for seq in everyone]
+
+    def _shared_prompts(self, seqs: list[Sequence]) -> tuple[list[Sequence], dict[int, list[Sequence]]]:
+        """The sequences whose prompts this prefill must run, and {index among them: the other sequences with the
+        same prompt and start}, which take a copy of its cache rows instead of running it again. Only with the
+        plain KV cache and a proposer that reads no target features (those would need each copy's hidden
+        states too)."""
+        if len(seqs) < 2 or self.features.wanted or type(self.cache) is not KVCache:
+            return seqs, {}
+        first: dict[tuple, int] = {}
+        run, copies = [], {}
+        for seq in seqs:
+            key = (seq.prefilled, tuple(seq.token_ids))
+            if key in first:
+                copies.setdefault(first[key], []).append(seq)
+            else:
+                first[key] = len(run)
+                run.append(seq)
+        return run, copies
 
     def _join(self, seqs: list[Sequence], budgets: list[int]) -> float:
         """Register with the proposer the sequences about to draft for the first time; returns the seconds taken.

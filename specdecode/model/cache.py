@@ -90,6 +90,15 @@ class KVCache:
     def reset(self, slots: torch.Tensor) -> None:
         self.rollback(slots, 0)
 
+    def copy_slot(self, source: int, targets: list[int], length: int) -> None:
+        """Give each target slot the source slot's first `length` positions and that committed length (the
+        prompt's prefill shared by several requests, e.g. the choices of one request with n > 1)."""
+        rows = torch.tensor(targets, device=self.k[0].device)
+        for k, v in zip(self.k, self.v):
+            k[rows, :, :, :length] = k[source, :, :, :length]
+            v[rows, :, :length] = v[source, :, :length]
+        self.lengths[targets] = length
+
     def copy_into(self, other: "KVCache") -> None:
         """Copy every slot's rows and length into a cache with at least as many slots and positions."""
         S, L = self.num_slots, self.max_len

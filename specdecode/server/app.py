@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from specdecode.engine.async_engine import (AsyncEngine, EngineDead, EngineOverloaded, RequestAborted,
                                             RequestFailed, RequestStream)
 from specdecode.errors import ConfigError
-from specdecode.sampling import SamplingParams
+from specdecode.sampling import SamplingParams, choice_seed
 from specdecode.server.guard import LOCAL_HOSTS, Guard
 from specdecode.server.limits import ServerLimits
 from specdecode.server import dashboard, schema
@@ -113,7 +113,8 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
                               f"and max_tokens is {max_tokens}: ask for at most {room} tokens or shorten the prompt",
                               "max_tokens")
         fields = {"max_tokens": max_tokens, "stop": req.stop, "seed": req.seed, "ignore_eos": req.ignore_eos,
-                  "use_speculation": req.use_speculation, "sampler": req.sampler, "logprobs": logprobs}
+                  "use_speculation": req.use_speculation, "sampler": req.sampler, "logprobs": logprobs,
+                  "n": 1 if req.n is None else req.n}
         fields["logit_bias"] = req.token_bias(vocab)
         source, fields["structured"] = req.structured()
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
@@ -179,41 +180,55 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
 
     # -- routes ---------------------------------------------------------------------------------------------
 
-    def submit(prepared: Prepared, request_id: str) -> RequestStream:
+    def submit(prepared: Prepared, request_id: str) -> list[RequestStream]:
+        """One stream per choice (n of them; choice i > 0 with its own seed, choice_seed): queued together, so
+        the engine can prefill their prompt once."""
+        params, streams = prepared.params, []
         try:
-            return engine.add_request(prepared.ids, prepared.params, request_id)
+            for i in range(params.n):
+                choice = dataclasses.replace(params, n=1, seed=choice_seed(params.seed, i))
+                streams.append(engine.add_request(prepared.ids, choice,
+                                                  request_id if params.n == 1 else f"{request_id}-{i}"))
+            return streams
         except ConfigError as exc:
             raise bad_request(str(exc)) from None
         except EngineOverloaded as exc:
             raise APIError(503, str(exc), type="server_overloaded", code="queue_full") from None
         except EngineDead as exc:
             raise APIError(503, str(exc), type="server_error") from None
+        finally:
+            if len(streams) < params.n:  # a choice was refused: the others go too
+                for stream in streams:
+                    stream.abort()
 
     @app.post("/v1/completions", **schema.generation_route(CompletionRequest, schema.Completion))
     async def completions(request: Request):
         prepared = await run_in_threadpool(prepare_completion, await request.body())
         req, echo = prepared.req, prepared.echo
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        stream = submit(prepared, request_id)
+        streams = submit(prepared, request_id)
+        offsets = [[len(echo)] for _ in streams]  # text_offset of each choice's next token
 
-        offset = [len(echo)]  # text_offset of the next token
+        def choice(index: int, text: str, finish_reason: str | None, logprobs: list | None) -> dict:
+            return {"index": index, "text": text, "finish_reason": finish_reason,
+                    "logprobs": None if req.logprobs is None else completion_logprobs(logprobs, offsets[index])}
 
-        def chunk(text: str, finish_reason: str | None, logprobs: list | None = None) -> dict:
+        def chunk(choices: list[dict]) -> dict:
             return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model_name,
-                    "choices": [{"index": 0, "text": text, "finish_reason": finish_reason,
-                                 "logprobs": None if req.logprobs is None else completion_logprobs(logprobs, offset)}]}
+                    "choices": choices}
 
         if req.stream:
             async def events() -> AsyncIterator[str]:
                 if echo:
-                    yield _sse(chunk(echo, None, []))
-                async for body in _stream_chunks(stream, lambda d: chunk(d.text, d.finish_reason, d.logprobs),
-                                                 _include_usage(req), request_id, model_name, "text_completion"):
+                    yield _sse(chunk([choice(i, echo, None, []) for i in range(len(streams))]))
+                async for body in _stream_chunks(
+                        streams, lambda i, d: chunk([choice(i, d.text, d.finish_reason, d.logprobs)]),
+                        _include_usage(req), request_id, model_name, "text_completion"):
                     yield body
             return _sse_response(events())
-        text, finish_reason, usage, logprobs = await _collect(stream, request)
-        body = chunk(echo + text, finish_reason, logprobs)
-        body["usage"] = usage
+        results = await _collect_all(streams, request)
+        body = chunk([choice(i, echo + text, finish, logprobs) for i, (text, finish, _, logprobs) in enumerate(results)])
+        body["usage"] = _total_usage(results)
         return body
 
     @app.post("/v1/chat/completions", **schema.generation_route(ChatCompletionRequest, schema.ChatCompletion))
@@ -221,28 +236,31 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
         prepared = await run_in_threadpool(prepare_chat, await request.body())
         req = prepared.req
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = submit(prepared, request_id)
+        streams = submit(prepared, request_id)
 
-        def chunk(delta: dict, finish_reason: str | None, logprobs: list | None = None) -> dict:
+        def chunk(index: int, delta: dict, finish_reason: str | None, logprobs: list | None = None) -> dict:
             return {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()),
                     "model": model_name,
-                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason,
+                    "choices": [{"index": index, "delta": delta, "finish_reason": finish_reason,
                                  "logprobs": chat_logprobs(logprobs) if req.logprobs else None}]}
 
         if req.stream:
             async def events() -> AsyncIterator[str]:
-                yield _sse(chunk({"role": "assistant", "content": ""}, None, []))
-                async for body in _stream_chunks(stream, lambda d: chunk({"content": d.text} if d.text else {},
-                                                                         d.finish_reason, d.logprobs),
-                                                 _include_usage(req), request_id, model_name, "chat.completion.chunk"):
+                for i in range(len(streams)):
+                    yield _sse(chunk(i, {"role": "assistant", "content": ""}, None, []))
+                async for body in _stream_chunks(
+                        streams, lambda i, d: chunk(i, {"content": d.text} if d.text else {}, d.finish_reason,
+                                                    d.logprobs),
+                        _include_usage(req), request_id, model_name, "chat.completion.chunk"):
                     yield body
             return _sse_response(events())
-        text, finish_reason, usage, logprobs = await _collect(stream, request)
+        results = await _collect_all(streams, request)
         return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model_name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                "choices": [{"index": i, "message": {"role": "assistant", "content": text},
                              "logprobs": chat_logprobs(logprobs) if req.logprobs else None,
-                             "finish_reason": finish_reason}],
-                "usage": usage}
+                             "finish_reason": finish}
+                            for i, (text, finish, _, logprobs) in enumerate(results)],
+                "usage": _total_usage(results)}
 
     def token_text(token: int) -> str:
         return llm.tokenizer.decode([token])
@@ -289,24 +307,63 @@ def _sse_response(events: AsyncIterator[str]) -> StreamingResponse:
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-async def _stream_chunks(stream: RequestStream, make_chunk, include_usage: bool, request_id: str, model_name: str,
-                         obj: str) -> AsyncIterator[str]:
-    """SSE events for one request. If the client goes away, Starlette cancels this generator and `finally`
-    aborts the request, which frees its slot. Engine errors carry no internal detail (see RequestFailed)."""
-    last = None
+async def _stream_chunks(streams: list[RequestStream], make_chunk, include_usage: bool, request_id: str,
+                         model_name: str, obj: str) -> AsyncIterator[str]:
+    """SSE events for one request's choices, as each choice's deltas come (make_chunk(index, delta)). If the client
+    goes away, Starlette cancels this generator and `finally` aborts every choice, which frees their slots. Engine
+    errors carry no internal detail (see RequestFailed)."""
+    last: dict[int, object] = {}
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        try:
+            async for delta in stream:
+                await queue.put((index, delta))
+        except (RequestFailed, EngineDead) as exc:
+            await queue.put((index, exc))
+        finally:
+            await queue.put((index, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     try:
-        async for delta in stream:
-            last = delta
-            if delta.text or delta.finish_reason is not None or delta.logprobs:
-                yield _sse(make_chunk(delta))
-    except (RequestFailed, EngineDead) as exc:
-        yield _sse(APIError(500, str(exc), type="server_error").body())
+        running = len(streams)
+        while running:
+            index, delta = await queue.get()
+            if delta is None:
+                running -= 1
+            elif isinstance(delta, Exception):
+                yield _sse(APIError(500, str(delta), type="server_error").body())
+                return
+            else:
+                last[index] = delta
+                if delta.text or delta.finish_reason is not None or delta.logprobs:
+                    yield _sse(make_chunk(index, delta))
     finally:
-        stream.abort()
-    if include_usage and last is not None:
+        for task in tasks:
+            task.cancel()
+        for stream in streams:
+            stream.abort()
+    if include_usage and last:
+        prompt = next(iter(last.values())).prompt_tokens
+        completion = sum(d.completion_tokens for d in last.values())
         yield _sse({"id": request_id, "object": obj, "created": int(time.time()), "model": model_name,
-                    "choices": [], "usage": _usage(last.prompt_tokens, last.completion_tokens)})
+                    "choices": [], "usage": _usage(prompt, completion)})
     yield "data: [DONE]\n\n"
+
+
+async def _collect_all(streams: list[RequestStream], request: Request) -> list[tuple]:
+    """_collect for each choice (they run side by side in the engine); if one fails, the others are aborted."""
+    try:
+        return list(await asyncio.gather(*(_collect(s, request) for s in streams)))
+    finally:
+        for stream in streams:
+            stream.abort()
+
+
+def _total_usage(results: list[tuple]) -> dict:
+    """Usage of all choices: the prompt once, every choice's tokens."""
+    usages = [usage for _, _, usage, _ in results]
+    return _usage(usages[0]["prompt_tokens"], sum(u["completion_tokens"] for u in usages))
 
 
 async def _collect(stream: RequestStream, request: Request) -> tuple[str, str | None, dict, list]:

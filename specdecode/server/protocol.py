@@ -153,8 +153,6 @@ class _Request(BaseModel):
         for name, refused in unsupported.items():
             if refused:
                 raise bad_request(f"{name} is not supported by this server yet; leave it out", name)
-        if self.n not in (None, 1):
-            raise bad_request("only n=1 is supported; send several requests for several completions", "n")
         if self.logit_bias and len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise bad_request(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens", "logit_bias")
 

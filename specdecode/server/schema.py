@@ -8,6 +8,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
 from specdecode.server.limits import ServerLimits
+from specdecode.sampling import MAX_N
 from specdecode.server.protocol import MAX_LOGIT_BIAS, MAX_LOGPROBS, ChatCompletionRequest, CompletionRequest
 
 REF = "#/components/schemas/{model}"
@@ -138,7 +139,7 @@ def accepted_fields(model_name: str, vocab: int, context: int, limits: ServerLim
         "temperature": _nullable({"type": "number", "minimum": 0}),
         "top_p": _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 1}),
         "top_k": _nullable({"type": "integer", "minimum": -1, "maximum": vocab}),
-        "n": _nullable({"type": "integer", "enum": [1]}),
+        "n": _nullable({"type": "integer", "minimum": 1, "maximum": MAX_N}),
         "stop": {"anyOf": [stop, {"type": "array", "items": stop, "maxItems": limits.max_stop_strings},
                            {"type": "null"}]},
         "min_p": _nullable({"type": "number", "minimum": 0, "maximum": 1}),

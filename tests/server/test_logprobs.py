@@ -123,3 +123,23 @@ def test_bad_structured_requests_are_named(server, body, param):
     response = httpx.post(f"{server.url}/v1/chat/completions", json={**base, **body}, headers=JSON)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+def test_n_choices_whole_and_streamed(server, reference):
+    c = client(server)
+    kwargs = dict(model="tiny", prompt="def g(x):", max_tokens=8, temperature=1.0, seed=21, n=3,
+                  extra_body={"ignore_eos": True})
+    whole = c.completions.create(**kwargs)
+    assert [ch.index for ch in whole.choices] == [0, 1, 2]
+    assert whole.usage.completion_tokens == 24
+    want = reference.generate("def g(x):", SamplingParams(temperature=1.0, max_tokens=8, seed=21, n=3,
+                                                          ignore_eos=True))[0]
+    assert [ch.text for ch in whole.choices] == [o.text for o in want.outputs]
+    streamed = {}
+    for chunk in c.completions.create(stream=True, **kwargs):
+        for ch in chunk.choices:
+            streamed[ch.index] = streamed.get(ch.index, "") + ch.text
+    assert [streamed[i] for i in range(3)] == [ch.text for ch in whole.choices]
+    chat = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                     n=2, temperature=0)
+    assert len(chat.choices) == 2 and chat.choices[0].message.content == chat.choices[1].message.content

@@ -159,7 +159,7 @@ BAD_BODIES = [
     ("completions", {"prompt": "x", "stop": 7}),
     ("completions", {"prompt": "x", "stop": [str(i) for i in range(17)]}),  # more than --max-stop-strings
     ("completions", {"prompt": "x", "stop": "s" * 257}),  # longer than --max-stop-chars
-    ("completions", {"prompt": "x", "n": 2}),
+    ("completions", {"prompt": "x", "n": 17}),
     ("completions", {"prompt": ""}),
     ("completions", {"prompt": []}),
     ("completions", {"prompt": [10 ** 9]}),
