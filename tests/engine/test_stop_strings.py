@@ -175,9 +175,9 @@ def count_dropped(llm, monkeypatch) -> list[int]:
     """Per appended step: how many of its tokens the sequence dropped (those after the one that ended it)."""
     dropped, real = [], llm.runner._append
 
-    def append(seq, tokens):
+    def append(seq, tokens, logprobs=None):
         before = seq.num_generated
-        delta = real(seq, tokens)
+        delta = real(seq, tokens, logprobs)
         dropped.append(len(tokens) - (seq.num_generated - before))
         return delta
 
