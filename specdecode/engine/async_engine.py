@@ -179,12 +179,13 @@ class AsyncEngine:
     # -- requests (event-loop side) -------------------------------------------------------------------------
 
     def add_request(self, prompt: str | list[int], params: SamplingParams,
-                    request_id: str | None = None) -> RequestStream:
-        """Queue a request; raises ConfigError for a bad prompt, EngineOverloaded when full, EngineDead."""
+                    request_id: str | None = None, grammar=None) -> RequestStream:
+        """Queue a request; raises ConfigError for a bad prompt, EngineOverloaded when full, EngineDead. grammar: a
+        structured request's compiled grammar (else it is compiled here)."""
         if not self.alive:
             raise EngineDead("the engine is not running")
         self._check(prompt, params)
-        seq = self.llm.make_sequence(prompt, params, request_id or uuid.uuid4().hex)
+        seq = self.llm.make_sequence(prompt, params, request_id or uuid.uuid4().hex, grammar)
         stream = RequestStream(self, seq, asyncio.get_running_loop())
         with self._cond:
             if not self._accepting:

@@ -26,6 +26,7 @@ from specdecode.catalog.registry import default_speculative_config, model_name, 
 from specdecode.sampling import SamplingParams, choice_seed
 from specdecode.speculation.config import SpeculativeConfig, build_proposer, with_shipped_speculator
 from specdecode.speculation.control import SpecController
+from specdecode.speculation.grammar import Grammar
 
 
 class LLM:
@@ -103,7 +104,9 @@ class LLM:
 
     # -- requests -------------------------------------------------------------------------------------------
 
-    def make_sequence(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
+    def make_sequence(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                      grammar=None) -> Sequence:
+        """A request's sequence; a structured one's grammar is compiled here unless given (already compiled)."""
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt)
         else:
@@ -122,9 +125,7 @@ class LLM:
         seq = Sequence(request_id or str(next(self._ids)), text, ids, params, self.tokenizer,
                        self.tokenizer.eos_token_ids)
         if params.structured is not None:
-            from specdecode.speculation.grammar import Grammar
-
-            seq.grammar = Grammar(params.structured, self.tokenizer, vocab)
+            seq.grammar = grammar if grammar is not None else Grammar(params.structured, self.tokenizer, vocab)
         return seq
 
     def make_controller(self) -> SpecController:

@@ -111,7 +111,7 @@ class StepRunner:
             order = list(range(len(seqs))) + [leader for leader, fs in copies.items() for _ in fs]
             logits = logits[order]
             seqs = seqs + [f for fs in copies.values() for f in fs]
-        roots = self._penalized(seqs, logits[:, None], [DraftTree.empty()] * len(seqs))[:, 0]
+        roots = self._adjusted_logits(seqs, logits[:, None], [DraftTree.empty()] * len(seqs))[:, 0]
         first = self._sample_roots(seqs, roots)
         logprobs = self._logprobs(seqs, logits[:, None], [[0]] * len(seqs), [[t] for t in first])
         elapsed = time.perf_counter() - start
@@ -215,7 +215,7 @@ class StepRunner:
         return DraftTree(tokens=tree.tokens[keep], parents=tuple(parents), draft_probs=probs)
 
     @staticmethod
-    def _penalized(seqs: list[Sequence], logits: torch.Tensor, trees: list[DraftTree]) -> torch.Tensor:
+    def _adjusted_logits(seqs: list[Sequence], logits: torch.Tensor, trees: list[DraftTree]) -> torch.Tensor:
         """logits [B, W, V] of [root, nodes...] per row, with the penalties and logit_bias of the rows that set them
         applied at every node from the output so far plus the node's path, then the grammar's mask of a
         structured request (the raw logits are left as they are: logprobs read them)."""
@@ -279,8 +279,8 @@ class StepRunner:
         batch = StepBatch.build([s.token_ids[-1] for s in seqs], trees, [s.slot for s in seqs], self.cache.lengths,
                                 device)
         out = self.target(batch.ids, cache=self.cache, hidden_layers=self.features.layers, **batch.target_inputs())
-        results = verify_step(trees, self._penalized(seqs, out.logits, trees), [s.params for s in seqs], [s.random.key for s in seqs],
-                              [s.num_generated for s in seqs])
+        results = verify_step(trees, self._adjusted_logits(seqs, out.logits, trees), [s.params for s in seqs],
+                              [s.random.key for s in seqs], [s.num_generated for s in seqs])
         slots, width = batch.slots, batch.width
 
         A = max(len(r.accepted) for r in results) + 1

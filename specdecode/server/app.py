@@ -28,6 +28,7 @@ from specdecode.engine.async_engine import (AsyncEngine, EngineDead, EngineOverl
 from specdecode.errors import ConfigError
 from specdecode.sampling import SamplingParams, choice_seed
 from specdecode.server.guard import LOCAL_HOSTS, Guard
+from specdecode.speculation.grammar import Grammar
 from specdecode.server.limits import ServerLimits
 from specdecode.server import dashboard, schema
 from specdecode.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request, parse
@@ -47,6 +48,8 @@ class Prepared:
     params: SamplingParams
     echo: str = ""
     """Completions with echo: the prompt text to send back first."""
+    grammar: "Grammar | None" = None
+    """A structured request's grammar, compiled in the worker thread that prepared it (each choice gets a copy)."""
 
 
 def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, limits: ServerLimits | None = None,
@@ -104,6 +107,17 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
                            param="model", code="model_not_found")
         limits.check_request(req, vocab)
 
+    def prepared(req, ids: list[int], max_tokens: int | None, logprobs: int | None, echo: str = "") -> Prepared:
+        """The request's sampling parameters and, for structured output, its compiled grammar."""
+        params = sampling_params(req, len(ids), max_tokens, logprobs)
+        grammar = None
+        if params.structured is not None:  # compile it here, in the worker thread: a bad one is this request's 400
+            try:
+                grammar = Grammar(params.structured, llm.tokenizer, vocab)
+            except ConfigError as exc:
+                raise bad_request(str(exc), req.structured()[0]) from None
+        return Prepared(req, ids, params, echo, grammar)
+
     def sampling_params(req, prompt_len: int, max_tokens: int | None, logprobs: int | None = None) -> SamplingParams:
         room = llm.max_model_len - prompt_len
         if max_tokens is None:
@@ -122,12 +136,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
             if getattr(req, name) is not None:
                 fields[name] = getattr(req, name)
         try:
-            params = SamplingParams(**fields)
-            if params.structured is not None:  # compile the grammar now: a bad one is this request's 400
-                from specdecode.speculation.grammar import Grammar
-
-                Grammar(params.structured, llm.tokenizer, vocab)
-            return params
+            return SamplingParams(**fields)
         except ConfigError as exc:  # its messages start with the field's name
             field = str(exc).split(" ", 1)[0]
             if field == "structured":
@@ -158,7 +167,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
         prompt = req.single_prompt()
         ids = tokenize(prompt)
         echo = (prompt if isinstance(prompt, str) else llm.tokenizer.decode(ids)) if req.echo else ""
-        return Prepared(req, ids, sampling_params(req, len(ids), req.max_tokens, req.logprobs), echo)
+        return prepared(req, ids, req.max_tokens, req.logprobs, echo)
 
     def prepare_chat(body: bytes) -> Prepared:
         req = parse(ChatCompletionRequest, body)
@@ -176,7 +185,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
         bos = llm.tokenizer.bos_token
         ids = tokenize(text, add_special_tokens=not (bos and text.startswith(bos)))
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        return Prepared(req, ids, sampling_params(req, len(ids), max_tokens, req.logprob_count()))
+        return prepared(req, ids, max_tokens, req.logprob_count())
 
     # -- routes ---------------------------------------------------------------------------------------------
 
@@ -187,8 +196,9 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
         try:
             for i in range(params.n):
                 choice = dataclasses.replace(params, n=1, seed=choice_seed(params.seed, i))
+                grammar = prepared.grammar.copy() if prepared.grammar is not None else None
                 streams.append(engine.add_request(prepared.ids, choice,
-                                                  request_id if params.n == 1 else f"{request_id}-{i}"))
+                                                  request_id if params.n == 1 else f"{request_id}-{i}", grammar))
             return streams
         except ConfigError as exc:
             raise bad_request(str(exc)) from None

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from specdecode.errors import ConfigError
-from specdecode.sampling import check_structured
+from specdecode.sampling import MAX_LOGPROBS, check_structured
 
 
 def _integral(value):
@@ -47,8 +47,6 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 
 MAX_LOGIT_BIAS = 300
 """Most tokens one logit_bias may name (OpenAI's limit)."""
-MAX_LOGPROBS = 20
-"""Most alternatives per token (OpenAI's top_logprobs limit; completions' logprobs takes the same here)."""
 
 
 class StreamOptions(BaseModel):
@@ -147,7 +145,6 @@ class _Request(BaseModel):
 
     def check_supported(self) -> None:
         unsupported = {"modalities": self.modalities not in (None, ["text"])}
-        self.structured()
         for name in ("prediction", "audio", "reasoning_effort", "web_search_options"):
             unsupported[name] = getattr(self, name) is not None
         for name, refused in unsupported.items():
@@ -157,15 +154,14 @@ class _Request(BaseModel):
             raise bad_request(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens", "logit_bias")
 
     def token_bias(self, vocab: int) -> dict[int, float] | None:
-        """logit_bias with its keys as token ids; a key that is not a token id of this model is a 400."""
+        """logit_bias with its keys as token ids; a key that is not a token id of this model is a 400 (the values'
+        range is SamplingParams')."""
         if not self.logit_bias:
             return None
         bias = {}
         for key, value in self.logit_bias.items():
             if not key.isascii() or not key.isdigit() or int(key) >= vocab:
                 raise bad_request(f"logit_bias keys must be token ids in [0, {vocab}), got {key!r}", "logit_bias")
-            if not -100 <= value <= 100:
-                raise bad_request(f"logit_bias values must be in [-100, 100], got {value!r}", "logit_bias")
             bias[int(key)] = value
         return bias
 

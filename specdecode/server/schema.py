@@ -8,8 +8,8 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
 from specdecode.server.limits import ServerLimits
-from specdecode.sampling import MAX_N
-from specdecode.server.protocol import MAX_LOGIT_BIAS, MAX_LOGPROBS, ChatCompletionRequest, CompletionRequest
+from specdecode.sampling import MAX_LOGPROBS, MAX_N
+from specdecode.server.protocol import MAX_LOGIT_BIAS, ChatCompletionRequest, CompletionRequest
 
 REF = "#/components/schemas/{model}"
 

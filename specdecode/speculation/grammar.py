@@ -68,6 +68,13 @@ class Grammar:
         self.vocab_size = vocab_size
         self.words = (self.tokenizer.vocab_size + 31) // 32
 
+    def copy(self) -> "Grammar":
+        """An independent state at the same point (another choice of the same request)."""
+        twin = object.__new__(Grammar)
+        twin.__dict__.update(self.__dict__)
+        twin.matcher = self.matcher.deep_copy()
+        return twin
+
     @property
     def stopped(self) -> bool:
         """The grammar is complete and allows nothing more (the request ends)."""

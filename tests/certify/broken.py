@@ -140,14 +140,14 @@ def inject(monkeypatch, name: str) -> None:
                 def consume(self, tokens):  # tokens the real grammar forbids (from a node's wrong mask) are skipped
                     for token in tokens:
                         self.matcher.try_consume_tokens([token])
-            real_init = step_module.StepRunner._penalized
+            real_init = step_module.StepRunner._adjusted_logits
 
             def penalized(seqs, logits, trees):
                 for seq in seqs:
                     if seq.grammar is not None and type(seq.grammar) is Grammar:
                         seq.grammar.__class__ = RootMasked
                 return real_init(seqs, logits, trees)
-            monkeypatch.setattr(step_module.StepRunner, "_penalized", staticmethod(penalized))
+            monkeypatch.setattr(step_module.StepRunner, "_adjusted_logits", staticmethod(penalized))
         elif attr == "penalize":  # where the step applies them (certify's reference keeps the real one)
             import specdecode.engine.step as step_module
 

@@ -104,6 +104,10 @@ def test_structured_output_through_the_openai_client(server):
     regex = c.completions.create(model="tiny", prompt="x", max_tokens=16, temperature=1.0, seed=2,
                                  extra_body={"guided_regex": "[0-9]{4}"})
     assert re.fullmatch("[0-9]{4}", regex.choices[0].text)
+    several = c.completions.create(model="tiny", prompt="x", max_tokens=16, temperature=1.0, seed=2, n=3,
+                                   extra_body={"guided_regex": "[0-9]{4}"})  # each choice its own grammar state
+    assert len(several.choices) == 3 and all(re.fullmatch("[0-9]{4}", ch.text) for ch in several.choices)
+    assert several.choices[0].text == regex.choices[0].text  # choice 0 keeps the seed
     obj = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "json"}], max_tokens=96,
                                     temperature=0, response_format={"type": "json_object"})
     if obj.choices[0].finish_reason == "stop":
