@@ -1,7 +1,7 @@
 """Structured output on the real model: schema-valid JSON on a JSON-extraction workload, plain vs speculative
 (interleaved, one thread), and the grammar mask's share of a step.
 
-    python benchmarks/structured.py --prompts 20 --out docs/bench/structured/structured.json
+    python benchmarks/structured.py --prompts 100 --k 4 --workload extract|reformat --out docs/bench/structured/W.json
 """
 from __future__ import annotations
 
@@ -27,18 +27,29 @@ PEOPLE = [("Alice", "Paris", 34, "Python and cooking"), ("Bob", "Lagos", 27, "we
           "marketing and salsa")]
 
 
-def prompts(n: int) -> list[list[dict]]:
+def prompts(n: int, workload: str = "extract") -> list[list[dict]]:
+    """extract: a sentence about a person -> the schema's JSON. reformat: the person as a JSON record with two
+    more fields -> the schema's JSON without them (the values follow their keys in the prompt, as in an agent's
+    tool output rewritten for the next call)."""
     out = []
     for i in range(n):
         name, city, age, skills = PEOPLE[i % len(PEOPLE)]
-        text = f"{name} is {age + i // len(PEOPLE)} years old, lives in {city} and is good at {skills}."
-        out.append([{"role": "user", "content": f"Extract the person as JSON with name, city, age and skills.\n{text}"}])
+        age += i // len(PEOPLE)
+        if workload == "extract":
+            text = f"{name} is {age} years old, lives in {city} and is good at {skills}."
+            content = f"Extract the person as JSON with name, city, age and skills.\n{text}"
+        else:
+            record = json.dumps({"id": 1000 + i, "name": name, "city": city, "age": age,
+                                 "skills": skills.replace(", ", " and ").split(" and "), "joined": 2000 + i % 25})
+            content = f"Return this record without its id and joined fields, as JSON:\n{record}"
+        out.append([{"role": "user", "content": content}])
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--prompts", type=int, default=20)
+    parser.add_argument("--workload", choices=("extract", "reformat"), default="extract")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--method", default="ngram")
     parser.add_argument("--k", type=int, default=8, help="num_speculative_tokens (also caps a forced run)")
@@ -60,7 +71,7 @@ def main() -> None:
             mask_time[0] += time.perf_counter() - t
     grammar_module.Grammar.tree_masks = timed
     rows, totals = [], {"plain": 0.0, "spec": 0.0}
-    for i, conv in enumerate(prompts(args.prompts)):
+    for i, conv in enumerate(prompts(args.prompts, args.workload)):
         result = {}
         for name, llm in (("plain", plain), ("spec", spec)) if i % 2 == 0 else (("spec", spec), ("plain", plain)):
             mask_time[0] = 0.0
@@ -82,7 +93,7 @@ def main() -> None:
               f"mask {result['plain']['mask_share']:.1%} {result['spec']['text'][:70]}", flush=True)
     summary = {"prompts": len(rows), "valid_plain": sum(r["plain"]["valid"] for r in rows),
                "valid_spec": sum(r["spec"]["valid"] for r in rows), "identical": sum(r["identical"] for r in rows),
-               "speedup": totals["plain"] / totals["spec"], "method": args.method, "k": args.k,
+               "speedup": totals["plain"] / totals["spec"], "workload": args.workload, "method": args.method, "k": args.k,
                "mask_share_plain": sum(r["plain"]["mask_share"] * r["plain"]["seconds"] for r in rows) / totals["plain"],
                "tokens_per_pass_spec": spec.total_stats.emitted_tokens / max(1, spec.total_stats.steps)}
     print(json.dumps(summary, indent=1))

@@ -20,7 +20,7 @@ class CertifyDefaults:
 
 
 def register(sub) -> None:
-    from specdecode.cli.model_flags import add_model_args
+    from specdecode.cli.model_flags import add_model_args, add_penalty_args
 
     d = CertifyDefaults()  # (building a CertifyConfig would import torch: --help stays fast)
     p = sub.add_parser("certify", help="test that speculative sampling is lossless for a model and its speculator",
@@ -33,10 +33,7 @@ def register(sub) -> None:
                    help=f"(default {d.temperature:g})")
     p.add_argument("--top-p", type=PROBABILITY, default=d.top_p, help=f"(default {d.top_p:g})")
     p.add_argument("--top-k", type=int_range(0), default=d.top_k, help="0 = off (default)")
-    p.add_argument("--min-p", type=float_range(0.0, 1.0), default=d.min_p, help="0 = off (default)")
-    p.add_argument("--presence-penalty", type=float_range(-2.0, 2.0), default=d.presence_penalty)
-    p.add_argument("--frequency-penalty", type=float_range(-2.0, 2.0), default=d.frequency_penalty)
-    p.add_argument("--repetition-penalty", type=float_range(0.0, 10.0, lo_open=True), default=d.repetition_penalty)
+    add_penalty_args(p, d.min_p, d.presence_penalty, d.frequency_penalty, d.repetition_penalty)
     p.add_argument("--samples", type=int_range(16, 10_000_000), default=DEFAULT_SAMPLES,
                    help=f"emitted tokens to test (default {DEFAULT_SAMPLES})")
     p.add_argument("--max-tokens", type=TOKENS, default=d.max_tokens,

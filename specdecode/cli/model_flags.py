@@ -79,6 +79,19 @@ def add_quantization_arg(p) -> None:
                         "every matrix at load; int8: torch's weight-only int8 (with --dtype bfloat16)")
 
 
+def add_penalty_args(p, min_p: float = 0.0, presence: float = 0.0, frequency: float = 0.0,
+                     repetition: float = 1.0) -> None:
+    """--min-p and the three penalties (SamplingParams' names and ranges; shared by generate, chat and certify)."""
+    p.add_argument("--min-p", type=float_range(0.0, 1.0), default=min_p,
+                   help="drop tokens below this share of the most likely one's probability; 0 = off (default)")
+    p.add_argument("--presence-penalty", type=float_range(-2.0, 2.0), default=presence,
+                   help="subtracted from the logit of every token the output already holds (default 0)")
+    p.add_argument("--frequency-penalty", type=float_range(-2.0, 2.0), default=frequency,
+                   help="subtracted once per occurrence in the output (default 0)")
+    p.add_argument("--repetition-penalty", type=float_range(0.0, 10.0, lo_open=True), default=repetition,
+                   help="divides positive (multiplies negative) logits of tokens in the prompt or output; 1 = off")
+
+
 def add_sampling_args(p, temperature: float = 0.0, top_p: float = 1.0, max_tokens: int = 128) -> None:
     p.add_argument("--max-tokens", type=TOKENS, default=max_tokens,
                    help=f"most tokens to generate (default {max_tokens})")
@@ -91,6 +104,12 @@ def add_sampling_args(p, temperature: float = 0.0, top_p: float = 1.0, max_token
     p.add_argument("--sampler", choices=("auto", "race", "rejection"), default="auto",  # sampling.SAMPLERS
                    help="auto (default): the exponential race for a seeded request (the same text with or without "
                         "speculation), rejection sampling without a seed; race; rejection")
+    add_penalty_args(p)
+    shape = p.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", default=None, metavar="SCHEMA",
+                       help="the answer is JSON valid against this schema (JSON text, or @FILE)")
+    shape.add_argument("--json", action="store_true", help="the answer is a JSON object")
+    shape.add_argument("--regex", default=None, help="the answer matches this regular expression")
 
 
 def resolve_models(args) -> tuple[Path, dict | None, str]:
@@ -199,4 +218,30 @@ def sampling_params(args):
     from specdecode.sampling import SamplingParams
 
     return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                          max_tokens=args.max_tokens, seed=args.seed, sampler=args.sampler)
+                          max_tokens=args.max_tokens, seed=args.seed, sampler=args.sampler, min_p=args.min_p,
+                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                          repetition_penalty=args.repetition_penalty, structured=structured(args))
+
+
+def structured(args) -> dict | None:
+    """SamplingParams.structured from --json-schema / --json / --regex (the grammar compiles when the model's
+    tokenizer is known; the spec's shape is checked by SamplingParams)."""
+    if args.regex is not None:
+        return {"regex": args.regex}
+    if args.json:
+        return {"json_object": True}
+    if args.json_schema is None:
+        return None
+    import json
+
+    text = args.json_schema
+    if text.startswith("@"):
+        try:
+            text = Path(text[1:]).read_text()
+        except OSError as exc:
+            raise ConfigError(f"--json-schema {args.json_schema}: cannot read the file ({exc.strerror})") from None
+    try:
+        return {"json_schema": json.loads(text)}
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--json-schema is not JSON ({exc.msg} at character {exc.pos}); give a schema or @FILE") \
+            from None

@@ -196,9 +196,31 @@ class StepRunner:
             drawn[drawing] = sample_rows(probs[drawing], u[:, 0].to(logits.device))
         return drawn.tolist()
 
-    def _grammar_tree(self, seq: Sequence, tree: DraftTree) -> DraftTree:
-        """A structured request's tree: the tokens its grammar forces next, drafted for free, when there are any;
-        else the proposer's tree without the nodes the grammar forbids (and their subtrees)."""
+    def _grammar_tree(self, seq: Sequence, tree: DraftTree, budget: int) -> DraftTree:
+        """A structured request's tree. With a proposer that guesses chains after any run of tokens (draft_after):
+        one chain of the tokens the grammar forces (drafted for free) and the proposer's guesses (at most `budget`
+        of them) where nothing is forced, each guess cut where the grammar forbids it, up to the tree's room.
+        Else the tokens forced next when there are any, or the proposer's tree without the nodes the grammar
+        forbids (and their subtrees)."""
+        draft_after = getattr(self.proposer, "draft_after", None)
+        if draft_after is not None:
+            chain: list[int] = []
+            match = 1  # a guess right after a forced run must match all of it (a value follows its own key)
+            while len(chain) < self.tree_room:
+                run = seq.grammar.forced(chain)
+                if run:
+                    match = len(run)
+                else:
+                    if budget <= 0:  # (0 also for a sequence the proposer never joined)
+                        break
+                    guess = draft_after(seq, seq.token_ids + chain, min(budget, self.tree_room - len(chain)), match)
+                    run = guess[:max(0, seq.grammar.allowed_prefix(chain + guess) - len(chain))]
+                    budget, match = budget - len(run), 1
+                    if not run:
+                        break
+                chain += run
+            return DraftTree.chain(torch.tensor(chain[:self.tree_room], dtype=torch.long)) if chain \
+                else DraftTree.empty()
         forced = seq.grammar.forced()[:self.tree_room]
         if forced:
             return DraftTree.chain(torch.tensor(forced, dtype=torch.long))
@@ -272,8 +294,8 @@ class StepRunner:
         else:
             trees = [DraftTree.empty() for _ in seqs]
         if getattr(self.proposer, "trees_rewritable", False) and self.tree_room:
-            trees = [self._grammar_tree(s, t) if s.grammar is not None and s.params.use_speculation else t
-                     for s, t in zip(seqs, trees)]
+            trees = [self._grammar_tree(s, t, b) if s.grammar is not None and s.params.use_speculation else t
+                     for s, t, b in zip(seqs, trees, budgets)]
         t1 = time.perf_counter()
 
         batch = StepBatch.build([s.token_ids[-1] for s in seqs], trees, [s.slot for s in seqs], self.cache.lengths,

@@ -40,6 +40,14 @@ class SpeculativeConfig:
     """lookahead: W, Jacobi window columns at full depth (a shallower step gets a proportional share)."""
     lookahead_guesses: int = 7
     """lookahead: G, pooled n-grams verified per step at full depth (a shallower step: a proportional share)."""
+    suffix_max_tokens: int = 100_000
+    """suffix: tokens of finished requests its suffix tree keeps (the oldest finished requests are evicted first)."""
+    suffix_max_depth: int = 64
+    """suffix: longest string indexed from each position (the matched suffix plus its draft)."""
+    suffix_min_prob: float = 0.1
+    """suffix: least estimated probability of a drafted node (continuation frequencies along its path, multiplied)."""
+    suffix_spec_factor: float = 1.0
+    """suffix: draft levels per matched token at most (a short match drafts little)."""
     disable_by_batch_size: int | None = None
     """Stop speculating when this many sequences run at once."""
     adaptive: bool = True
@@ -99,8 +107,9 @@ class SpeculativeConfig:
 
     @property
     def tree_size(self) -> int:
-        """The most nodes one sequence adds to a step's target pass (draft tokens, and lookahead's window)."""
-        return self.pass_nodes(self.max_depth)
+        """The most nodes one sequence adds to a step's target pass (draft tokens, and lookahead's window; a
+        structured request's forced run)."""
+        return max(self.pass_nodes(self.max_depth), self.method_info.forced_run)
 
     @classmethod
     def parse(cls, raw: "dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":

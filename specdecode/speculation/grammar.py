@@ -88,23 +88,35 @@ class Grammar:
                 raise RuntimeError(f"structured output: token {token} was emitted against the grammar "
                                    f"({self.matcher.get_error()})")
 
-    def forced(self) -> list[int]:
-        """A draft of what the grammar forces next from the current state: the forced bytes (e.g. a schema's next
-        key and its quotes) as the tokenizer would write them. The tokens llguidance itself calls forced are
-        accepted with probability 1; the rest of the bytes' tokenization is a guess the model almost always
-        takes (it could spell the same bytes with other tokens, which the grammar allows too)."""
-        if self.matcher.is_stopped():
-            return []
-        tokens = list(self.matcher.compute_ff_tokens())
-        guess = self.tokenizer.tokenize_bytes(self.matcher.compute_ff_bytes())
-        return guess if len(guess) > len(tokens) and guess[:len(tokens)] == tokens else tokens
+    def forced(self, after: list[int] = ()) -> list[int]:
+        """A draft of what the grammar forces next from the current state advanced by the tokens `after` (the
+        state is left as it was; [] if the grammar rejects them): the forced bytes (e.g. a schema's next key and
+        its quotes) as the tokenizer would write them. The tokens llguidance itself calls forced are accepted with
+        probability 1; the rest of the bytes' tokenization is a guess the model almost always takes (it could
+        spell the same bytes with other tokens, which the grammar allows too)."""
+        after = list(after)
+        taken = self.matcher.try_consume_tokens(after) if after else 0
+        try:
+            if taken != len(after) or self.matcher.is_stopped():
+                return []
+            tokens = list(self.matcher.compute_ff_tokens())
+            guess = self.tokenizer.tokenize_bytes(self.matcher.compute_ff_bytes())
+            return guess if len(guess) > len(tokens) and guess[:len(tokens)] == tokens else tokens
+        finally:
+            if taken:
+                self.matcher.rollback(taken)
+
+    def allowed_prefix(self, path: list[int]) -> int:
+        """How many leading tokens of `path` the grammar allows from the current state (the state is left as it
+        was)."""
+        taken = self.matcher.try_consume_tokens(path) if path else 0
+        if taken:
+            self.matcher.rollback(taken)
+        return taken
 
     def accepts(self, path: list[int]) -> bool:
         """Whether the grammar allows this run of tokens from the current state (the state is left as it was)."""
-        taken = self.matcher.try_consume_tokens(path)
-        if taken:
-            self.matcher.rollback(taken)
-        return taken == len(path)
+        return self.allowed_prefix(path) == len(path)
 
     def _mask(self, out: torch.Tensor) -> None:
         out[:] = torch.frombuffer(bytearray(self.matcher.compute_bitmask()), dtype=torch.int32)[:self.words]

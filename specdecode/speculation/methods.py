@@ -84,12 +84,19 @@ class Method:
     """Positions its own cache holds per row beyond the target's (drafts in flight)."""
     trainer: str | None = None
     """`specdecode train` stage that writes its model, if it learns."""
+    forced_run: int = 0
+    """For methods whose trees the step may rewrite (Proposer.trees_rewritable): the longest run of tokens a
+    structured request's grammar forces that a step drafts (free: accepted with probability one), when longer than
+    the method's own trees; the caches keep room for it."""
 
     def nodes(self, config: "SpeculativeConfig", k: int) -> int:
         if self.pass_nodes is not None:
             return self.pass_nodes(config, min(k, self.max_depth(config)))
         return self.nodes_per_level(config) * k
 
+
+FORCED_RUN = 16
+"""Method.forced_run of the methods that take one (a JSON schema's next key and its quotes fit)."""
 
 _registered: dict[str, Method] = {}
 

@@ -126,6 +126,35 @@ def test_structured_output(pair, monkeypatch, sampler):
     assert not bad.passed and bad.p_value < 1e-6, bad
 
 
+EVERYTHING = {**PENALTIES, "min_p": 0.05, "top_k": 40, "top_p": 0.9, "temperature": 0.8, "structured": ALTERNATING}
+"""Every option at once: the grammar's mask, penalties and bias at each node, then temperature, min_p, top-k, top-p."""
+
+
+@pytest.mark.parametrize("sampler", ["race", "rejection"])
+def test_every_option_combined(pair, sampler):
+    """All the options in one request are certified at every node of a multi-chain tree under both samplers."""
+    good = run(pair, "qtree", samples=2048, sampler=sampler, min_accept=0.005, **EVERYTHING)
+    assert good.passed and good.p_value > 1e-3 and good.impossible == 0, good
+
+
+@pytest.mark.parametrize("sampler", ["race", "rejection"])
+def test_every_option_but_the_grammar_combined(pair, sampler):
+    good = run(pair, "chain", samples=2048, sampler=sampler, **{**EVERYTHING, "structured": None})
+    assert good.passed and good.p_value > 1e-3 and good.impossible == 0, good
+
+
+@pytest.mark.parametrize("name,structured", [("grammar_from_root", ALTERNATING), ("min_p_dropped", ALTERNATING),
+                                             ("penalties_from_root", None)])
+def test_each_wrong_option_is_caught_in_combination(pair, monkeypatch, name, structured):
+    """With every option on, getting any one of them wrong is still rejected decisively. (Penalties from the root
+    only go wrong at accepted drafts, which the grammar makes rare - ~1% of drafts with this draft model - so that
+    one is shown with every option but the grammar.)"""
+    broken.inject(monkeypatch, name)
+    kind, accept = ("qtree", 0.005) if structured else ("chain", 0.05)
+    bad = run(pair, kind, sampler="rejection", min_accept=accept, **{**EVERYTHING, "structured": structured})
+    assert not bad.passed and bad.p_value < 1e-6, (name, bad)
+
+
 def test_cli_verdict_exit_code_and_json(pair, monkeypatch, tmp_path, capsys):
     argv = ["certify", "--model", str(pair / "target"), "--speculative-model", str(pair / "draft"),
             "--num-speculative-tokens", "3", "--samples", "1024", "--prompts", "builtin", "--json"]

@@ -1,4 +1,5 @@
 """`specdecode generate`: streams the completion, ends with a speed line; bad input exits 2 with one line."""
+import json
 import re
 
 import pytest
@@ -53,7 +54,22 @@ def test_sampling_flags(tiny_models, capsys):
     assert first[1].splitlines()[:-1] == second[1].splitlines()[:-1]  # same seed, same text
 
 
+def test_structured_and_penalty_flags(tiny_models, capsys):
+    """--regex / --json-schema constrain the answer (with speculation too); the penalties reach the sampler."""
+    code, out, _ = run(capsys, "x =", "--model", tiny_models["target"], "--max-tokens", 24, "--regex",
+                       "[a-c]{3}-[0-9]{2}", "--speculative-method", "ngram", "--frequency-penalty", 1.5, "--min-p", 0.05)
+    assert code == 0 and re.search(r"x =[a-c]{3}-[0-9]{2}\n", out), out
+    schema = '{"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], ' \
+             '"additionalProperties": false}'
+    code, out, _ = run(capsys, "x =", "--model", tiny_models["target"], "--max-tokens", 24, "--json-schema", schema)
+    assert code == 0 and set(json.loads(out.splitlines()[0].removeprefix("x ="))) == {"ok"}, out
+
+
 @pytest.mark.parametrize("extra, message", [
+    (["--json-schema", "{nope"], "--json-schema is not JSON (Expecting property name"),
+    (["--json-schema", "@/no/such/schema.json"], "--json-schema @/no/such/schema.json: cannot read the file"),
+    (["--regex", "a", "--json"], "argument --json: not allowed with argument --regex"),
+    (["--repetition-penalty", "0"], "argument --repetition-penalty: must be a number in (0, 10]"),
     (["--top-p", "1.5"], "argument --top-p: must be a number in (0, 1], got 1.5"),
     (["--max-tokens", "0"], "argument --max-tokens: must be an integer between 1 and"),
     (["--dtype", "flaot16"], "argument --dtype: invalid choice: 'flaot16'"),

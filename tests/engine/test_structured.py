@@ -5,6 +5,8 @@ import re
 
 import pytest
 
+from specdecode.speculation.tree import DraftTree
+
 from specdecode.engine.llm import LLM
 from specdecode.errors import ConfigError
 from specdecode.sampling import SamplingParams
@@ -52,7 +54,7 @@ def test_bad_specs_are_refused(tiny_models):
         llm.generate("x", SamplingParams(structured={"grammar": "start: ???"}))
 
 
-def test_forced_tokens_are_drafted_and_forbidden_drafts_pruned(tiny_models):
+def test_forced_tokens_are_drafted_and_forbidden_drafts_pruned(tiny_models, monkeypatch):
     """With prompt lookup, a schema's forced keys are drafted for free and accepted; the text stays plain's."""
     schema = {"type": "object", "properties": {"first_long_key": {"type": "integer"},
                                                "second_long_key": {"type": "boolean"}},
@@ -65,12 +67,37 @@ def test_forced_tokens_are_drafted_and_forbidden_drafts_pruned(tiny_models):
     assert [o.outputs[0].text for o in spec] == [o.outputs[0].text for o in plain]
     stats = llm.total_stats
     assert stats.accepted_tokens >= 6 and stats.emitted_tokens / stats.steps > 1.5, stats
-    # a tree of drafts the grammar forbids is pruned to nothing before the target pass
+    # a tree of drafts the grammar forbids is pruned to nothing before the target pass (a proposer that cannot
+    # guess after a forced run, as REST: its own tree is pruned)
+    from specdecode.speculation.proposers.ngram import NgramProposer
     from specdecode.speculation.tree import DraftTree
     import torch
 
     seq = llm.make_sequence(PROMPTS[0], SamplingParams(temperature=0, structured={"regex": "[0-9]+"}))
     digits = llm.tokenizer.encode("7")
     tree = DraftTree(tokens=torch.tensor([digits[-1], 5, 6]), parents=(-1, -1, 0))
-    pruned = llm.runner._grammar_tree(seq, tree)
+    monkeypatch.setattr(NgramProposer, "draft_after", None)
+    pruned = llm.runner._grammar_tree(seq, tree, 6)
     assert pruned.tokens.tolist() == [digits[-1]] and pruned.parents == (-1,)
+
+
+def test_prompt_lookup_goes_on_after_a_forced_run(tiny_models):
+    """After the tokens a grammar forces, prompt lookup guesses what follows them in the prompt (a value copied
+    from it), cut where the grammar forbids it; then what the grammar forces after the guess."""
+    llm = LLM(str(tiny_models["target"]), dtype="float32", max_num_seqs=1,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 16, "adaptive": False})
+    params = SamplingParams(temperature=0, max_tokens=32, structured={"regex": r"name: [a-z]+;ok"})
+    probe = llm.make_sequence("x", params)
+    forced = probe.grammar.forced()
+    assert llm.tokenizer.decode(forced) == "name: "
+    value = llm.tokenizer.encode("bob", add_special_tokens=False)
+    rest = llm.tokenizer.encode(";more text", add_special_tokens=False)
+    seq = llm.make_sequence(llm.tokenizer.encode("x y ", add_special_tokens=False) + forced + value + rest, params)
+    llm.runner.proposer.add([seq])
+    llm.runner.ensure_capacity(1, 256, 16)  # (what generate() does first)
+    tree = llm.runner._grammar_tree(seq, DraftTree.empty(), 16)
+    text = llm.tokenizer.decode(tree.tokens.tolist())
+    assert tree.parents == tuple(range(-1, len(tree) - 1))  # one chain
+    # the forced run, the value looked up after it, then ';' (cut where the prompt goes on with 'more'), 'ok' forced
+    assert text.startswith("name: bob;") and "more" not in text, text
+    assert llm.runner._grammar_tree(seq, DraftTree.empty(), 0).tokens.tolist() == forced  # no budget: forced only

@@ -130,6 +130,11 @@ class Proposer(Protocol):
     before verifying: true where observe() does not read the trees and the drafts are one-hot guesses, so a
     pruned draft the target could never accept changes nothing (ngram, rest)."""
 
+    # Optional, for rewritable proposers that guess chains (ngram):
+    #   draft_after(seq, tokens, k) -> list[int]: up to k tokens guessed to follow `tokens` (seq's tokens then a run
+    #   it has not emitted, e.g. a grammar's forced tokens), so that a structured request's tree can go on past a
+    #   forced run.
+
     def ensure_cache(self, slots: int, max_len: int) -> None:
         """Room for `slots` sequences of up to max_len positions in the caches it keeps (a no-op without any)."""
 

@@ -9,7 +9,7 @@ import dataclasses
 import torch
 
 from specdecode.errors import ConfigError
-from specdecode.speculation.methods import Method
+from specdecode.speculation.methods import FORCED_RUN, Method
 from specdecode.speculation.proposers.base import NO_FEATURES, WithoutDraftCache
 from specdecode.speculation.tree import DraftTree
 
@@ -51,8 +51,11 @@ class _NgramIndex:
                     seen[1] = end
         self.indexed_until = max(self.indexed_until, len(tokens))
 
-    def lookup(self, tokens: list[int], k: int) -> list[int]:
+    def lookup(self, tokens: list[int], k: int, min_match: int = 1) -> list[int]:
+        """What followed the longest earlier occurrence of tokens' last n tokens (n >= min_match)."""
         for n in reversed(self.sizes):
+            if n < min_match:
+                break
             if len(tokens) <= n:
                 continue
             seen = self.tables[n].get(tuple(tokens[-n:]))
@@ -94,6 +97,14 @@ class NgramProposer(WithoutDraftCache):
             trees.append(DraftTree.chain(torch.tensor(guess, dtype=torch.long)) if guess else DraftTree.empty())
         return trees
 
+    def draft_after(self, seq, tokens: list[int], k: int, min_match: int = 1) -> list[int]:
+        """Up to k tokens guessed to follow `tokens` (the sequence's tokens and then a run it has not emitted yet,
+        such as what a grammar forces), looked up in the sequence's index from a match of at least min_match
+        trailing tokens (at most prompt_lookup_max are asked for)."""
+        index = self.indices[seq.request_id]
+        index.update(seq.token_ids)
+        return index.lookup(tokens, k, min(min_match, self.config.prompt_lookup_max))
+
     def observe(self, seqs, trees, results) -> None:
         pass  # the index catches up lazily in propose
 
@@ -103,4 +114,4 @@ def _build(config, _context) -> NgramProposer:
                                      config.prompt_lookup_min))
 
 
-METHOD = Method("ngram", _build, options=("prompt_lookup_max", "prompt_lookup_min"))
+METHOD = Method("ngram", _build, options=("prompt_lookup_max", "prompt_lookup_min"), forced_run=FORCED_RUN)

@@ -12,7 +12,7 @@ import math
 import torch
 
 from specdecode.errors import ConfigError
-from specdecode.speculation.methods import Method
+from specdecode.speculation.methods import FORCED_RUN, Method
 from specdecode.speculation.datastore import Datastore
 from specdecode.speculation.proposers.base import NO_FEATURES, WithoutDraftCache
 from specdecode.speculation.tree import DraftTree, merge_paths
@@ -95,4 +95,5 @@ def _build(config, context) -> RestProposer:
 
 
 METHOD = Method("rest", _build, model="datastore", options=("num_tree_nodes",),
-                nodes_per_level=lambda config: math.ceil(config.tree_nodes / config.num_speculative_tokens))
+                nodes_per_level=lambda config: math.ceil(config.tree_nodes / config.num_speculative_tokens),
+                forced_run=FORCED_RUN)
