@@ -103,8 +103,11 @@ class Tokenizer:
             return bytes(decoder[ch] for ch in piece)
         return self.backend.decode([token], skip_special_tokens=False).encode("utf-8")
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render chat messages with the checkpoint's Jinja chat template (a plain fallback if it has none)."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """Render chat messages with the checkpoint's Jinja chat template (a plain fallback if it has none).
+        tools: function definitions in OpenAI's shape, for a template that writes them into the prompt (as
+        transformers passes them: the template sees `tools`, None without)."""
         if not self.chat_template:
             lines = [f"{m['role']}: {m['content']}" for m in messages]
             return "\n".join(lines) + ("\nassistant:" if add_generation_prompt else "")
@@ -115,10 +118,10 @@ class Tokenizer:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                             extensions=["jinja2.ext.loopcontrols"])
         env.globals["raise_exception"] = _raise_template_error
+        env.filters["tojson"] = _tojson
         return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
+            messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
             bos_token=self.bos_token or "", eos_token=self.eos_token or "")
-
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a conversation rendered with the chat template (which writes any BOS itself)."""
@@ -138,6 +141,12 @@ def _byte_decoder() -> dict[str, int]:
             chars[chr(256 + extra)] = b
             extra += 1
     return chars
+
+
+def _tojson(value, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False):
+    """transformers' tojson for chat templates: plain json.dumps, where jinja2's own escapes <, >, & and ' for
+    HTML (a tool's description or a call's arguments would reach the model as \\u003c...)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _raise_template_error(message: str):

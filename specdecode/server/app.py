@@ -30,7 +30,7 @@ from specdecode.sampling import SamplingParams, choice_seed
 from specdecode.server.guard import LOCAL_HOSTS, Guard
 from specdecode.speculation.grammar import Grammar
 from specdecode.server.limits import ServerLimits
-from specdecode.server import dashboard, schema
+from specdecode.server import dashboard, schema, tools
 from specdecode.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request, parse
 
 MAX_PROMPT_CHARS_PER_TOKEN = 64
@@ -50,6 +50,8 @@ class Prepared:
     """Completions with echo: the prompt text to send back first."""
     grammar: "Grammar | None" = None
     """A structured request's grammar, compiled in the worker thread that prepared it (each choice gets a copy)."""
+    tool_plan: tools.ToolPlan | None = None
+    """A chat request's tools (rendered, how its answer is parsed); None when it offers none."""
 
 
 def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, limits: ServerLimits | None = None,
@@ -61,7 +63,9 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
     llm = engine.llm
     vocab = llm.target.config.vocab_size
     max_prompt = limits.prompt_tokens(llm.max_model_len)
-    schema.install(app, schema.accepted_fields(model_name, vocab, llm.max_model_len, limits))
+    tool_calling = tools.ToolCalling(llm.tokenizer, vocab)  # what the chat template does with tools, probed once
+    schema.install(app, schema.accepted_fields(model_name, vocab, llm.max_model_len, limits,
+                                               tools=tool_calling.format is not None))
     created = int(time.time())
 
     @app.exception_handler(APIError)
@@ -107,18 +111,22 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
                            param="model", code="model_not_found")
         limits.check_request(req, vocab)
 
-    def prepared(req, ids: list[int], max_tokens: int | None, logprobs: int | None, echo: str = "") -> Prepared:
-        """The request's sampling parameters and, for structured output, its compiled grammar."""
-        params = sampling_params(req, len(ids), max_tokens, logprobs)
+    def prepared(req, ids: list[int], max_tokens: int | None, logprobs: int | None, echo: str = "",
+                 plan: tools.ToolPlan | None = None) -> Prepared:
+        """The request's sampling parameters and, for structured output, its compiled grammar (the request's own, or
+        the one its tool_choice asks for)."""
+        source, structured = ("tool_choice", plan.structured) if plan and plan.structured else req.structured()
+        params = sampling_params(req, len(ids), max_tokens, logprobs, source, structured)
         grammar = None
         if params.structured is not None:  # compile it here, in the worker thread: a bad one is this request's 400
             try:
                 grammar = Grammar(params.structured, llm.tokenizer, vocab)
             except ConfigError as exc:
-                raise bad_request(str(exc), req.structured()[0]) from None
-        return Prepared(req, ids, params, echo, grammar)
+                raise bad_request(str(exc), source) from None
+        return Prepared(req, ids, params, echo, grammar, plan)
 
-    def sampling_params(req, prompt_len: int, max_tokens: int | None, logprobs: int | None = None) -> SamplingParams:
+    def sampling_params(req, prompt_len: int, max_tokens: int | None, logprobs: int | None, source: str | None,
+                        structured: dict | None) -> SamplingParams:
         room = llm.max_model_len - prompt_len
         if max_tokens is None:
             max_tokens = room
@@ -130,7 +138,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
                   "use_speculation": req.use_speculation, "sampler": req.sampler, "logprobs": logprobs,
                   "n": 1 if req.n is None else req.n}
         fields["logit_bias"] = req.token_bias(vocab)
-        source, fields["structured"] = req.structured()
+        fields["structured"] = structured
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
             if getattr(req, name) is not None:
@@ -173,9 +181,11 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
         req = parse(ChatCompletionRequest, body)
         check(req)
         limits.check_messages(req.messages)
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        plan = tool_calling.plan(req)
+        messages = [m.for_template() for m in req.messages]
+        offered = {"tools": plan.tools} if plan is not None else {}
         try:
-            text = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            text = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **offered)
         except jinja2.TemplateError as exc:  # the template refused these messages (raise_exception) or was unsafe
             raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from None
         except Exception:
@@ -185,7 +195,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
         bos = llm.tokenizer.bos_token
         ids = tokenize(text, add_special_tokens=not (bos and text.startswith(bos)))
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        return prepared(req, ids, max_tokens, req.logprob_count())
+        return prepared(req, ids, max_tokens, req.logprob_count(), plan=plan)
 
     # -- routes ---------------------------------------------------------------------------------------------
 
@@ -244,7 +254,8 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
     @app.post("/v1/chat/completions", **schema.generation_route(ChatCompletionRequest, schema.ChatCompletion))
     async def chat_completions(request: Request):
         prepared = await run_in_threadpool(prepare_chat, await request.body())
-        req = prepared.req
+        req, plan = prepared.req, prepared.tool_plan
+        call_format = plan.format if plan is not None else None
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = submit(prepared, request_id)
 
@@ -255,22 +266,48 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
                                  "logprobs": chat_logprobs(logprobs) if req.logprobs else None}]}
 
         if req.stream:
+            # With tools, each choice's text goes through its own parser: content as it comes (less what may begin
+            # a call), each call whole, as one tool_calls delta, once its close tag arrives.
+            parsers = [tools.ToolCallParser(call_format) for _ in streams] if call_format else None
+            calls_made = [0] * len(streams)
+
+            def delta_chunk(i: int, d) -> dict | None:
+                if parsers is None:
+                    return chunk(i, {"content": d.text} if d.text else {}, d.finish_reason, d.logprobs)
+                content, calls = parsers[i].feed(d.text, final=d.finish_reason is not None)
+                delta = {"content": content} if content else {}
+                if calls:
+                    delta["tool_calls"] = [call.openai(index=calls_made[i] + k) for k, call in enumerate(calls)]
+                    calls_made[i] += len(calls)
+                if not delta and d.finish_reason is None and not d.logprobs:
+                    return None  # everything in this delta is held back
+                return chunk(i, delta, tools.finish_reason(d.finish_reason, calls_made[i]), d.logprobs)
+
             async def events() -> AsyncIterator[str]:
                 for i in range(len(streams)):
                     yield _sse(chunk(i, {"role": "assistant", "content": ""}, None, []))
-                async for body in _stream_chunks(
-                        streams, lambda i, d: chunk(i, {"content": d.text} if d.text else {}, d.finish_reason,
-                                                    d.logprobs),
-                        _include_usage(req), request_id, model_name, "chat.completion.chunk"):
+                async for body in _stream_chunks(streams, delta_chunk, _include_usage(req), request_id, model_name,
+                                                 "chat.completion.chunk"):
                     yield body
             return _sse_response(events())
+
+        def message(text: str, finish: str | None) -> tuple[dict, str | None]:
+            if call_format is None:
+                return {"role": "assistant", "content": text}, finish
+            content, calls = tools.parse(text, call_format)
+            answer = {"role": "assistant", "content": content if content or not calls else None}
+            if calls:
+                answer["tool_calls"] = [call.openai() for call in calls]
+            return answer, tools.finish_reason(finish, len(calls))
+
         results = await _collect_all(streams, request)
+        choices = []
+        for i, (text, finish, _, logprobs) in enumerate(results):
+            answer, finish = message(text, finish)
+            choices.append({"index": i, "message": answer, "finish_reason": finish,
+                            "logprobs": chat_logprobs(logprobs) if req.logprobs else None})
         return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model_name,
-                "choices": [{"index": i, "message": {"role": "assistant", "content": text},
-                             "logprobs": chat_logprobs(logprobs) if req.logprobs else None,
-                             "finish_reason": finish}
-                            for i, (text, finish, _, logprobs) in enumerate(results)],
-                "usage": _total_usage(results)}
+                "choices": choices, "usage": _total_usage(results)}
 
     def token_text(token: int) -> str:
         return llm.tokenizer.decode([token])
@@ -319,9 +356,9 @@ def _sse_response(events: AsyncIterator[str]) -> StreamingResponse:
 
 async def _stream_chunks(streams: list[RequestStream], make_chunk, include_usage: bool, request_id: str,
                          model_name: str, obj: str) -> AsyncIterator[str]:
-    """SSE events for one request's choices, as each choice's deltas come (make_chunk(index, delta)). If the client
-    goes away, Starlette cancels this generator and `finally` aborts every choice, which frees their slots. Engine
-    errors carry no internal detail (see RequestFailed)."""
+    """SSE events for one request's choices, as each choice's deltas come (make_chunk(index, delta); None: nothing
+    to send for this one). If the client goes away, Starlette cancels this generator and `finally` aborts every
+    choice, which frees their slots. Engine errors carry no internal detail (see RequestFailed)."""
     last: dict[int, object] = {}
     queue: asyncio.Queue = asyncio.Queue()
 
@@ -347,7 +384,9 @@ async def _stream_chunks(streams: list[RequestStream], make_chunk, include_usage
             else:
                 last[index] = delta
                 if delta.text or delta.finish_reason is not None or delta.logprobs:
-                    yield _sse(make_chunk(index, delta))
+                    body = make_chunk(index, delta)
+                    if body is not None:
+                        yield _sse(body)
     finally:
         for task in tasks:
             task.cancel()

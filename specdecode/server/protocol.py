@@ -203,15 +203,80 @@ class TextPart(BaseModel):
     text: str
 
 
+FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
+"""What OpenAI allows as a function's name (it is also written unescaped into tool-call grammars)."""
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    """A JSON schema of the arguments object; None: the function takes no arguments."""
+    strict: bool | None = None
+    """OpenAI's: the arguments follow the schema exactly. They do whenever the output is constrained (tool_choice
+    "required" or a named function); with "auto" the model writes them freely, as in vLLM."""
+
+
+class Tool(BaseModel):
+    """One entry of a chat request's `tools`."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: str
+    arguments: str
+    """The arguments as a JSON string, as OpenAI sends them back."""
+
+
+class MessageToolCall(BaseModel):
+    """A call an earlier assistant message made (so that the template can show it to the model)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    """An assistant message's calls."""
+    tool_call_id: str | None = None
+    """A tool message's answer is to this call."""
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
+
+    def for_template(self) -> dict:
+        """The message as chat templates read it (transformers' convention): a call's arguments as an object,
+        where OpenAI sends a JSON string (a template writes them with tojson)."""
+        message = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": call.id, "type": "function",
+                                      "function": {"name": call.function.name,
+                                                   "arguments": _json_or_text(call.function.arguments)}}
+                                     for call in self.tool_calls]
+        for name in ("name", "tool_call_id"):
+            if getattr(self, name) is not None:
+                message[name] = getattr(self, name)
+        return message
+
+
+def _json_or_text(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
 
 
 class ChatCompletionRequest(_Request):
@@ -220,8 +285,11 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: Int | None = None
     logprobs: bool | None = False
     top_logprobs: Int | None = None
-    tools: list | None = None
+    tools: list[Tool] | None = None
     tool_choice: Any = None
+    """"none", "auto", "required" or {"type": "function", "function": {"name": ...}} (checked by tool_mode)."""
+    parallel_tool_calls: bool | None = None
+    """OpenAI's (default true): whether the model may call several functions in one answer."""
     functions: Any = None
     function_call: Any = None
 
@@ -232,13 +300,38 @@ class ChatCompletionRequest(_Request):
                 raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
             if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
                 raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}]", "top_logprobs")
-        if self.tools:
-            raise bad_request("tools are not supported", "tools")
-        if self.tool_choice not in (None, "none"):
-            raise bad_request("tool_choice is not supported (no tools)", "tool_choice")
         for name in ("functions", "function_call"):
             if getattr(self, name) is not None:
-                raise bad_request(f"{name} is not supported", name)
+                raise bad_request(f"{name} (OpenAI's deprecated form) is not supported; send tools and tool_choice",
+                                  name)
+        self.tool_mode()
+
+    def tool_mode(self) -> tuple[str, str | None]:
+        """(mode, function) from tools and tool_choice, OpenAI's defaults included: ("none", None) without tools,
+        else "auto" unless tool_choice says "none", "required" or ("function", its name); a 400 naming the field for
+        anything else."""
+        if self.tools:
+            names = [tool.function.name for tool in self.tools]
+            for i, name in enumerate(names):
+                if name in names[:i]:
+                    raise bad_request(f"tools offers the function {name!r} twice", f"tools.{i}.function.name")
+        choice = self.tool_choice
+        if choice is None:
+            return ("auto" if self.tools else "none"), None
+        if choice == "none":
+            return "none", None
+        if not self.tools:
+            raise bad_request("tool_choice other than \"none\" needs tools", "tool_choice")
+        if choice in ("auto", "required"):
+            return choice, None
+        function = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str):
+            raise bad_request("tool_choice must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
+                              "\"function\": {\"name\": ...}}", "tool_choice")
+        if name not in names:
+            raise bad_request(f"tool_choice names the function {name!r}, which tools does not offer", "tool_choice")
+        return "function", name
 
     def logprob_count(self) -> int | None:
         """SamplingParams.logprobs for this request: None without logprobs, else top_logprobs (default 0)."""

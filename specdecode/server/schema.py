@@ -9,7 +9,7 @@ from pydantic import BaseModel
 
 from specdecode.server.limits import ServerLimits
 from specdecode.sampling import MAX_LOGPROBS, MAX_N
-from specdecode.server.protocol import MAX_LOGIT_BIAS, ChatCompletionRequest, CompletionRequest
+from specdecode.server.protocol import FUNCTION_NAME, MAX_LOGIT_BIAS, ChatCompletionRequest, CompletionRequest
 
 REF = "#/components/schemas/{model}"
 
@@ -60,9 +60,24 @@ class Completion(BaseModel):
     usage: Usage
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+    """A JSON object, as a string."""
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: str
+    function: FunctionCallOut
+
+
 class ChatMessageOut(BaseModel):
     role: str
-    content: str
+    content: str | None
+    """None when the answer is only tool calls."""
+    tool_calls: list[ToolCallOut] | None = None
+    """Present when the model called tools (then finish_reason is "tool_calls" if it ended by itself)."""
 
 
 class TopLogprob(BaseModel):
@@ -125,10 +140,13 @@ def _nullable(schema: dict) -> dict:
     return {"anyOf": [schema, {"type": "null"}]}
 
 
-def accepted_fields(model_name: str, vocab: int, context: int, limits: ServerLimits) -> tuple[dict, dict, dict]:
+def accepted_fields(model_name: str, vocab: int, context: int, limits: ServerLimits,
+                    tools: bool = False) -> tuple[dict, dict, dict, dict]:
     """The values the server accepts, where the request models' types alone allow more (the routes check these
-    after parsing): fields of both requests, of completions only, of chat only. With them the schema describes the
-    bodies that are served, so that a fuzzer's valid requests reach the engine."""
+    after parsing): fields of both requests, of completions only, of chat only, of a chat message. With them the
+    schema describes the bodies that are served, so that a fuzzer's valid requests reach the engine. tools: the
+    model's chat template takes tools (server/tools.py); else tools, tool_choice and messages' tool_calls are
+    refused."""
     stop = {"type": "string", "minLength": 1, "maxLength": limits.max_stop_chars}
     tokens = {"type": "integer", "minimum": 1, "maximum": max(1, context - 1)}
     ids = {"type": "array", "minItems": 1, "maxItems": limits.prompt_tokens(context),
@@ -164,12 +182,22 @@ def accepted_fields(model_name: str, vocab: int, context: int, limits: ServerLim
         "max_completion_tokens": _nullable(tokens),
         "logprobs": _nullable({"type": "boolean"}),
         "top_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS}),  # see install()
-        "tools": _nullable({"type": "array", "maxItems": 0}),
     }
-    return common, completion, chat
+    message = {}
+    if tools:
+        named = {"type": "object", "required": ["type", "function"],
+                 "properties": {"type": {"enum": ["function"]},
+                                "function": {"type": "object", "required": ["name"],
+                                             "properties": {"name": {"type": "string", "pattern": FUNCTION_NAME}}}}}
+        chat["tool_choice"] = {"anyOf": [{"enum": ["none", "auto", "required"]}, named, {"type": "null"}]}
+    else:
+        chat["tools"] = _nullable({"type": "array", "maxItems": 0})
+        chat["tool_choice"] = _nullable({"enum": ["none"]})
+        message["tool_calls"] = {"type": "null"}
+    return common, completion, chat, message
 
 
-def install(app: FastAPI, accepted: tuple[dict, dict, dict] | None = None) -> None:
+def install(app: FastAPI, accepted: tuple[dict, dict, dict, dict] | None = None) -> None:
     """Make app.openapi() (served at app.openapi_url) include the request models, narrowed to `accepted` (from
     accepted_fields) when given."""
 
@@ -178,7 +206,7 @@ def install(app: FastAPI, accepted: tuple[dict, dict, dict] | None = None) -> No
             schema = get_openapi(title=app.title, version=_version(), routes=app.routes,
                                  description="OpenAI-compatible API with lossless speculative decoding")
             components = schema.setdefault("components", {}).setdefault("schemas", {})
-            common, completion, chat = accepted or ({}, {}, {})
+            common, completion, chat, message = accepted or ({}, {}, {}, {})
             for model, own in ((CompletionRequest, completion), (ChatCompletionRequest, chat)):
                 body = model.model_json_schema(ref_template=REF)
                 components.update(body.pop("$defs", {}))
@@ -191,6 +219,9 @@ def install(app: FastAPI, accepted: tuple[dict, dict, dict] | None = None) -> No
                     body["if"] = {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}
                     body["else"] = {"properties": {"top_logprobs": {"type": "null"}}}
                 components[model.__name__] = body
+            for name, narrowed in message.items():
+                properties = components["ChatMessage"]["properties"]
+                properties[name] = {**narrowed, "title": properties[name].get("title", name)}
             app.openapi_schema = schema
         return app.openapi_schema
 

@@ -110,3 +110,16 @@ class StepGate:
 
         monkeypatch.setattr(runner, "step", step)
         monkeypatch.setattr(engine, "abort", abort)
+
+
+def checkpoint_with_template(source, folder, chat_template: str):
+    """A copy of the checkpoint at `source` in `folder` whose tokenizer has another chat template."""
+    import json
+    import shutil
+
+    shutil.copytree(source, folder)
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = chat_template
+    config_path.write_text(json.dumps(config))
+    return folder
