@@ -122,7 +122,7 @@ class AsyncEngine:
         self.scheduler = llm.make_scheduler(llm.max_num_seqs, isolate_failures=True)
         self.metrics = EngineMetrics(max_positions=max(tree, 1))
         self.metrics.watch(self.scheduler, llm.max_model_len,
-                           llm.spec_config.method if llm.proposer is not None else None)
+                           llm.spec_config.method if llm.proposer is not None else None, llm.proposer)
         self._cond = threading.Condition()
         self._incoming: list[RequestStream] = []
         self._aborts: list[str] = []

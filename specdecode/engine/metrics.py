@@ -94,9 +94,10 @@ class EngineMetrics:
         self._plain_equivalent = 0.0  # decayed seconds plain decoding would have taken for the same tokens
         self._actual = 0.0  # decayed seconds actually taken
 
-    def watch(self, scheduler, max_model_len: int, method: str | None) -> None:
+    def watch(self, scheduler, max_model_len: int, method: str | None, proposer=None) -> None:
         """Read the engine's state at each scrape from now on: the KV cache's use from the scheduler's running
-        sequences (its slots of max_model_len positions); method names the by-method counters (None = plain)."""
+        sequences (its slots of max_model_len positions); method names the by-method counters (None = plain); a
+        proposer that combines sources (auto: `counts`, source -> [proposed, accepted]) gives the by-source ones."""
         capacity = scheduler.num_slots * max_model_len
 
         def kv_usage() -> float:  # the scrape's thread: copy the list the engine thread changes
@@ -104,6 +105,9 @@ class EngineMetrics:
 
         self.kv_usage.set_function(kv_usage)
         self.method = method or "none"
+        counts = getattr(proposer, "counts", None)
+        if isinstance(counts, dict):
+            self.registry.register(_SourceCounts(counts))
 
     def record_step(self, out: SchedulerOutput, emitted: list[int], plain_step_time: float | None) -> None:
         """A decode step: `emitted[i]` tokens went to out.stepped[i]; plain_step_time = the cost model's estimate of
@@ -158,3 +162,26 @@ class EngineMetrics:
                 labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
                 values[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
         return values
+
+
+class _SourceCounts:
+    """Draft tokens proposed and accepted per source of a combining proposer, read at each scrape (a node that two
+    sources proposed counts for both)."""
+
+    def __init__(self, counts: dict[str, list[int]]):
+        self.counts = counts
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        proposed = CounterMetricFamily(PREFIX + "spec_decode_num_draft_tokens_by_source",
+                                       "Draft tokens in verified trees, by the source that proposed them (auto).",
+                                       labels=["source"])
+        accepted = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_by_source",
+                                       "Draft tokens accepted, by the source that proposed them (auto).",
+                                       labels=["source"])
+        for source, (p, a) in list(self.counts.items()):
+            proposed.add_metric([source], p)
+            accepted.add_metric([source], a)
+        yield proposed
+        yield accepted

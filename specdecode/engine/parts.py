@@ -45,4 +45,7 @@ def make_controller(target, proposer, config: SpeculativeConfig, max_num_seqs: i
     """An adaptive speculation controller, after timing this machine's target passes and draft forwards."""
     costs = measure_costs(target, proposer.draft_network, max_num_seqs, config.max_depth, config.nodes_per_level,
                           widths=config.pass_widths)
-    return SpecController(costs, config.max_depth, config.nodes_per_level, widths=config.pass_widths)
+    controller = SpecController(costs, config.max_depth, config.nodes_per_level, widths=config.pass_widths)
+    if hasattr(proposer, "bind_costs"):  # a proposer that shapes its trees by the measured pass costs (auto)
+        proposer.bind_costs(costs)
+    return controller

@@ -48,6 +48,9 @@ class SpeculativeConfig:
     """suffix: least estimated probability of a drafted node (continuation frequencies along its path, multiplied)."""
     suffix_spec_factor: float = 1.0
     """suffix: draft levels per matched token at most (a short match drafts little)."""
+    auto_sources: list[str] | None = None
+    """auto: the methods whose trees it merges (default ngram and suffix, and rest when "model" names a
+    datastore)."""
     disable_by_batch_size: int | None = None
     """Stop speculating when this many sequences run at once."""
     adaptive: bool = True
@@ -71,6 +74,9 @@ class SpeculativeConfig:
             raise ConfigError(f'the {self.method} method needs "model" (--speculative-model): {what}')
         if not isinstance(self.lookahead_ngram, int) or self.lookahead_ngram < 2:
             raise ConfigError(f"lookahead_ngram (N) must be an integer >= 2, got {self.lookahead_ngram!r}")
+        if self.auto_sources is not None and (not isinstance(self.auto_sources, (list, tuple)) or not all(
+                isinstance(name, str) for name in self.auto_sources) or not self.auto_sources):
+            raise ConfigError(f"auto_sources must be a non-empty list of method names, got {self.auto_sources!r}")
         for name in ("eagle_topk", "num_tree_nodes", "lookahead_window", "lookahead_guesses"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):

@@ -1,0 +1,275 @@
+"""`auto`: one tree per step from several sources (prompt lookup, suffix decoding across requests, REST retrieval
+when a datastore is given), verified in one target pass.
+
+Each source drafts its own tree; the trees are merged into one trie (a token path proposed by two sources is one
+node). Every node is valued by its estimated probability of acceptance given its parent's: for each source that
+proposed it, that source's rate at that depth, learned online from what the verifier accepted (engine-wide, so a
+new request starts from what earlier ones taught, and per request on top of it), combined as the chance that at
+least one source is right. A node's path value is the product along its path: the expected number of tokens it
+adds. The nodes with the highest path values are kept (a parent's is never below its child's, so they form a
+tree), as many as the step's budget allows and no more than pay for themselves: with the measured cost of a target
+pass per width (the controller's cost model, when one runs), the tree stops growing where one more node would
+lower the expected tokens per second.
+
+Drafts are one-hot guesses, whatever their source: greedy output equals plain decoding and sampling stays lossless
+with either sampler (a deterministic guess is verified exactly however it was chosen).
+"""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import math
+
+import torch
+
+from specdecode.errors import ConfigError
+from specdecode.speculation import methods
+from specdecode.speculation.methods import FORCED_RUN, Method
+from specdecode.speculation.proposers.base import NO_FEATURES, WithoutDraftCache
+from specdecode.speculation.tree import DraftTree
+
+DEFAULT_SOURCES = ("ngram", "suffix")
+"""What `auto` combines without auto_sources (and "rest" too when the config names a datastore)."""
+PRIOR_RATE = 0.5
+"""A source's acceptance rate at every depth before anything is measured."""
+PRIOR_TRIALS = 4.0
+"""How many imagined trials that prior is worth, engine-wide."""
+REQUEST_WEIGHT = 8.0
+"""How many trials the engine-wide rate counts for against a request's own (as the controller's prior)."""
+DECAY = 0.995
+"""Per step, the share of the engine-wide evidence kept (the text moves on)."""
+REQUEST_DECAY = 0.95
+"""Per step, the share of a request's own evidence kept."""
+MIN_VALUE = 0.02
+"""Nodes whose path value (expected tokens added) is below this are not verified."""
+
+
+@dataclasses.dataclass
+class Candidate:
+    """One node of the merged trie."""
+
+    token: int
+    parent: int
+    depth: int
+    sources: list[int]
+    value: float = 0.0
+    """Path value: the estimated probability that this node is accepted."""
+
+
+class Rates:
+    """Acceptance per source and depth: P(node accepted | its parent was), as faded (hits, trials)."""
+
+    def __init__(self, sources: int, depth: int, hits: float, trials: float):
+        self.hits = [[hits] * depth for _ in range(sources)]
+        self.trials = [[trials] * depth for _ in range(sources)]
+
+    def fade(self, factor: float) -> None:
+        for row in (*self.hits, *self.trials):
+            row[:] = [x * factor for x in row]
+
+    def add(self, source: int, depth: int, success: bool) -> None:
+        self.hits[source][depth] += success
+        self.trials[source][depth] += 1.0
+
+
+class AutoProposer(WithoutDraftCache):
+    trees_rewritable = True
+    feature_request = NO_FEATURES
+
+    def __init__(self, sources: dict, max_depth: int, pass_nodes, widths: list[int]):
+        """sources: name -> proposer (each with rewritable one-hot trees); pass_nodes(k): the most nodes for a
+        k-level step; widths: the controller's pass width classes (SpeculativeConfig.pass_widths)."""
+        self.names = list(sources)
+        self.widths = widths
+        self.sources = list(sources.values())
+        self.max_depth = max_depth
+        self.pass_nodes = pass_nodes
+        self.rates = Rates(len(self.sources), max_depth, PRIOR_RATE * PRIOR_TRIALS, PRIOR_TRIALS)
+        self.request_rates: dict[str, Rates] = {}
+        self.last: dict[str, list[Candidate]] = {}
+        """request -> the candidates its last tree was made of, in tree order."""
+        self.counts = {name: [0, 0] for name in self.names}
+        """source -> [nodes proposed in verified trees, nodes accepted] (a node two sources proposed counts for
+        both)."""
+        self.costs = None
+        """The controller's CostModel when one runs (bind_costs): trims trees that would not pay."""
+        draft_after = [s for s in self.sources if getattr(s, "draft_after", None) is not None]
+        if draft_after:  # a structured request's tree goes on after a forced run through prompt lookup
+            self.draft_after = draft_after[0].draft_after
+
+    def bind_costs(self, costs) -> None:
+        self.costs = costs
+
+    # -- sequences ------------------------------------------------------------------------------------------
+
+    def add(self, seqs) -> None:
+        for source in self.sources:
+            source.add(seqs)
+        for seq in seqs:
+            self.request_rates[seq.request_id] = Rates(len(self.sources), self.max_depth, 0.0, 0.0)
+
+    def remove(self, seq) -> None:
+        for source in self.sources:
+            source.remove(seq)
+        self.request_rates.pop(seq.request_id, None)
+        self.last.pop(seq.request_id, None)
+
+    # -- drafting -------------------------------------------------------------------------------------------
+
+    def rate(self, request_id: str, source: int, depth: int) -> float:
+        own = self.request_rates.get(request_id)
+        g_hits, g_trials = self.rates.hits[source][depth], self.rates.trials[source][depth]
+        prior = g_hits / g_trials if g_trials > 0 else PRIOR_RATE
+        if own is None:
+            return prior
+        return (own.hits[source][depth] + REQUEST_WEIGHT * prior) / (own.trials[source][depth] + REQUEST_WEIGHT)
+
+    def propose(self, seqs, budgets: list[int]) -> list[DraftTree]:
+        per_source = [source.propose(seqs, [min(b, self.max_depth) for b in budgets]) for source in self.sources]
+        trees = []
+        for row, (seq, budget) in enumerate(zip(seqs, budgets)):
+            k = min(budget, self.max_depth)
+            if k <= 0:
+                trees.append(DraftTree.empty())
+                self.last[seq.request_id] = []
+                continue
+            merged = self._merge(seq.request_id, [trees_of[row] for trees_of in per_source], k)
+            kept = self._keep(merged, self.pass_nodes(k), len(seqs))
+            self.last[seq.request_id] = kept
+            if not kept:
+                trees.append(DraftTree.empty())
+                continue
+            trees.append(DraftTree(torch.tensor([c.token for c in kept], dtype=torch.long),
+                                   tuple(c.parent for c in kept)))
+        return trees
+
+    def _merge(self, request_id: str, trees: list[DraftTree], k: int) -> list[Candidate]:
+        """The sources' trees as one trie (parents before children), each node with its path value."""
+        nodes: list[Candidate] = []
+        index: dict[tuple[int, int], int] = {}  # (merged parent, token) -> merged node
+        for source, tree in enumerate(trees):
+            mapped: list[int] = []
+            tokens = tree.tokens.tolist()
+            for i, parent in enumerate(tree.parents):
+                up = mapped[parent] if parent >= 0 else -1
+                depth = nodes[up].depth + 1 if up >= 0 else 0
+                if up == -2 or depth >= k:  # below a node that was too deep
+                    mapped.append(-2)
+                    continue
+                key = (up, tokens[i])
+                node = index.get(key)
+                if node is None:
+                    node = index[key] = len(nodes)
+                    nodes.append(Candidate(tokens[i], up, depth, []))
+                if source not in nodes[node].sources:
+                    nodes[node].sources.append(source)
+                mapped.append(node)
+        for node in nodes:  # parents come first, so theirs are known
+            miss = math.prod(1.0 - self.rate(request_id, s, node.depth) for s in node.sources)
+            node.value = (1.0 - miss) * (nodes[node.parent].value if node.parent >= 0 else 1.0)
+        return nodes
+
+    def _keep(self, nodes: list[Candidate], most: int, batch: int) -> list[Candidate]:
+        """The most valuable nodes (at most `most`, each worth MIN_VALUE or more, and no more than the pass cost
+        measured per width pays for), re-indexed in tree order."""
+        order = sorted(range(len(nodes)), key=lambda i: (-nodes[i].value, nodes[i].depth, i))
+        order = [i for i in order[:most] if nodes[i].value >= MIN_VALUE]
+        if self.costs is not None and order:
+            order = order[:self._paying(batch, [nodes[i].value for i in order])]
+        chosen = sorted(order)  # merged indices: parents before children
+        position = {old: new for new, old in enumerate(chosen)}
+        return [dataclasses.replace(nodes[i], parent=position[nodes[i].parent] if nodes[i].parent >= 0 else -1)
+                for i in chosen]
+
+    def _paying(self, batch: int, values: list[float]) -> int:
+        """How many of the nodes (best first) maximise expected tokens per second of a pass over `batch` rows that
+        all draft alike: tokens 1 + the kept values per row, against the measured pass cost at that width."""
+        best_n, best = 0, 1.0 / self._pass_time(batch, 1)
+        tokens = 1.0
+        for n, value in enumerate(values, 1):
+            tokens += value
+            rate = tokens / self._pass_time(batch, 1 + n)
+            if rate > best:
+                best_n, best = n, rate
+        return best_n
+
+    def _pass_time(self, batch: int, width: int) -> float:
+        """Seconds of a step whose target pass has `width` positions per row: the calibrated pass times of the
+        controller's width classes, interpolated (extrapolated proportionally past the widest), plus the measured
+        rest of a step."""
+        costs, widths = self.costs, self.widths
+        k = bisect.bisect_left(widths, width)
+        if k == 0:
+            seconds = costs.target_time(batch, 0)
+        elif k == len(widths):
+            seconds = costs.target_time(batch, k - 1) * width / widths[-1]
+        else:
+            lo, hi = costs.target_time(batch, k - 1), costs.target_time(batch, k)
+            seconds = lo + (hi - lo) * (width - widths[k - 1]) / (widths[k] - widths[k - 1])
+        return seconds + costs.overhead_time(batch, width > 1)
+
+    # -- learning -------------------------------------------------------------------------------------------
+
+    def observe(self, seqs, trees, results) -> None:
+        for source in self.sources:
+            source.observe(seqs, trees, results)
+        self.rates.fade(DECAY)
+        for seq, tree, result in zip(seqs, trees, results):
+            kept = self.last.pop(seq.request_id, None)
+            own = self.request_rates.get(seq.request_id)
+            if own is not None:
+                own.fade(REQUEST_DECAY)
+            if not kept or [c.token for c in kept] != tree.tokens.tolist():
+                continue  # nothing drafted, or the step verified another tree (a structured request's)
+            accepted = set(result.accepted)
+            for i, node in enumerate(kept):
+                if node.parent >= 0 and node.parent not in accepted:
+                    continue  # its parent was rejected: it was never tried
+                success = i in accepted
+                for s in node.sources:
+                    self.rates.add(s, node.depth, success)
+                    if own is not None:
+                        own.add(s, node.depth, success)
+            for node_index, node in enumerate(kept):
+                for s in node.sources:
+                    self.counts[self.names[s]][0] += 1
+                    self.counts[self.names[s]][1] += node_index in accepted
+
+
+def _source_config(config, name: str):
+    """The config a source is built from: auto's own, its method replaced (and only a datastore for rest)."""
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    fields.update(method=name, auto_sources=None, model=config.model if name == "rest" else None)
+    return type(config)(**fields)
+
+
+def _build(config, context) -> AutoProposer:
+    names = list(config.auto_sources) if config.auto_sources else [*DEFAULT_SOURCES] + (["rest"] if config.model
+                                                                                      else [])
+    if config.model and "rest" not in names:
+        raise ConfigError('auto: "model" names a datastore for its rest source; add "rest" to auto_sources or drop '
+                          '"model"')
+    if len(set(names)) != len(names) or "auto" in names:
+        raise ConfigError(f"auto_sources must name distinct methods other than auto, got {names}")
+    sources = {}
+    for name in names:
+        if name not in methods.names():
+            raise ConfigError(f"auto_sources: {name!r} is not a method; use some of ngram, suffix, rest")
+        refusal = ConfigError(f"auto_sources: {name} cannot be combined yet (auto merges one-hot guesses from "
+                              "proposers that keep no per-tree state: ngram, suffix, rest)")
+        if methods.get(name).model in ("draft", "speculator"):  # (their drafts and caches follow their own trees)
+            raise refusal
+        proposer = methods.get(name).build(_source_config(config, name), context)
+        if not getattr(proposer, "trees_rewritable", False) or proposer.feature_request.wanted:
+            raise refusal
+        sources[name] = proposer
+    return AutoProposer(sources, config.num_speculative_tokens, config.pass_nodes, config.pass_widths)
+
+
+def _pass_nodes(config, k: int) -> int:
+    return math.ceil(config.tree_nodes * k / config.num_speculative_tokens)
+
+
+METHOD = Method("auto", _build, model="datastore", options=("auto_sources", "num_tree_nodes"),
+                nodes_per_level=lambda config: math.ceil(config.tree_nodes / config.num_speculative_tokens),
+                pass_nodes=_pass_nodes, forced_run=FORCED_RUN)

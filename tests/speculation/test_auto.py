@@ -1,0 +1,182 @@
+"""`auto`: the sources' trees merged into one trie, nodes valued by learned per-source acceptance and cut by the
+measured pass costs; greedy output identical to plain decoding, sampling lossless (chi-square, with a negative
+control), per-source counts in /metrics, and clear errors for sources it cannot combine."""
+import pytest
+import torch
+
+import specdecode.speculation.verify as verify_module
+from specdecode.engine.llm import LLM
+from specdecode.engine.metrics import EngineMetrics
+from specdecode.errors import ConfigError
+from specdecode.sampling import SamplingParams
+from specdecode.speculation.proposers.auto import PRIOR_RATE, AutoProposer
+from specdecode.speculation.tree import DraftTree
+from specdecode.speculation.verify import VerifyResult
+
+from .heads_fixtures import chains_by, chi_square_p, correction_from_p, per_tree
+from .test_lossless_sampling import BOTH, PARAMS, rejection
+from .test_rest import vocab8_rest  # noqa: F401 (a fixture)
+
+
+class Fixed:
+    """A source that always proposes the same tree."""
+
+    trees_rewritable = True
+
+    def __init__(self, tokens, parents):
+        self.tree = DraftTree(torch.tensor(tokens), tuple(parents))
+
+    def add(self, seqs):
+        pass
+
+    def remove(self, seq):
+        pass
+
+    def propose(self, seqs, budgets):
+        return [self.tree if b else DraftTree.empty() for b in budgets]
+
+    def observe(self, seqs, trees, results):
+        pass
+
+
+class Seq:
+    def __init__(self, request_id="r"):
+        self.request_id = request_id
+
+
+def auto(sources, max_depth=4, nodes=lambda k: 3 * k):
+    return AutoProposer(sources, max_depth, nodes, [1 + nodes(k) for k in range(max_depth + 1)])
+
+
+def paths(tree: DraftTree) -> set[tuple[int, ...]]:
+    return {tuple(tree.tokens[tree.path_to(i)].tolist()) for i in range(len(tree))}
+
+
+def test_trees_merge_into_one_trie_valued_by_both_sources():
+    a = Fixed([5, 6, 7], [-1, 0, 1])  # 5 6 7
+    b = Fixed([5, 6, 9, 8], [-1, 0, 1, -1])  # 5 6 9 and 8
+    proposer = auto({"a": a, "b": b})
+    seq = Seq()
+    proposer.add([seq])
+    tree = proposer.propose([seq], [4])[0]
+    assert paths(tree) == {(5,), (5, 6), (5, 6, 7), (5, 6, 9), (8,)}
+    assert all(p < i for i, p in enumerate(tree.parents))
+    values = {c.token: c.value for c in proposer.last["r"]}
+    both = 1 - (1 - PRIOR_RATE) ** 2  # proposed by both: the chance that either is right
+    assert values[5] == pytest.approx(both) and values[6] == pytest.approx(both * both)
+    assert values[7] == pytest.approx(both * both * PRIOR_RATE) and values[8] == pytest.approx(PRIOR_RATE)
+    # at most pass_nodes(k) nodes, the most valuable first; depth capped at k levels
+    assert paths(proposer.propose([seq], [1])[0]) == {(5,), (8,)}
+
+
+def test_rates_are_learned_per_source_and_carry_to_new_requests():
+    right = Fixed([1, 2], [-1, 0])
+    wrong = Fixed([3, 4], [-1, 0])
+    proposer = auto({"right": right, "wrong": wrong}, nodes=lambda k: 2 * k)
+    for n in range(30):
+        seq = Seq(f"r{n}")
+        proposer.add([seq])
+        tree = proposer.propose([seq], [2])[0]
+        accepted = [i for i, t in enumerate(tree.tokens.tolist()) if t in (1, 2)]
+        proposer.observe([seq], [tree], [VerifyResult(accepted, 0)])
+        proposer.remove(seq)
+    assert proposer.counts["right"][1] == proposer.counts["right"][0] > 0 and proposer.counts["wrong"][1] == 0
+    fresh = Seq("new")
+    proposer.add([fresh])
+    assert proposer.rate("new", 0, 0) > 0.9 > 0.1 > proposer.rate("new", 1, 0)  # a new request starts warm
+    proposer.bind_costs(WidthCosts(0.5, proposer.widths))
+    assert paths(proposer.propose([fresh], [1])[0]) == {(1,)}  # the wrong source's node is not worth verifying
+
+
+class WidthCosts:
+    """A cost model whose pass time grows with width: a plain step costs 1, each node per row `per_node` more
+    (steep, as at a large batch)."""
+
+    def __init__(self, per_node: float, widths: list[int]):
+        self.per_node, self.widths = per_node, widths
+
+    def target_time(self, batch, k):
+        return 1.0 + self.per_node * (self.widths[k] - 1)
+
+    def overhead_time(self, batch, speculative):
+        return 0.0
+
+
+def test_the_tree_stops_where_one_more_node_would_not_pay():
+    chain = Fixed([1, 2, 3, 4], [-1, 0, 1, 2])
+    proposer = auto({"chain": chain}, nodes=lambda k: k)
+    seq = Seq()
+    proposer.add([seq])
+    assert len(proposer.propose([seq], [4])[0]) == 4  # no cost model: the budget decides
+    proposer.bind_costs(WidthCosts(1 / 3, proposer.widths))  # a node costs a third of a plain step: only sure ones pay
+    proposer.rates.hits[0] = [0.95 * t for t in proposer.rates.trials[0]]
+    proposer.rates.hits[0][2] = 0.2 * proposer.rates.trials[0][2]
+    assert len(proposer.propose([seq], [4])[0]) == 2  # (1 + 0.95 + 0.90) / (1 + 2/3) beats 1 and 3 nodes
+
+
+@pytest.fixture(scope="module")
+def plain_answers(tiny_models):
+    prompts = ["def add(a, b):\n    return a + b\n\ndef add(", "class Point:", "for i in range(10):", "print("]
+    greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    return prompts, greedy, LLM(str(tiny_models["target"]), dtype="float32").generate(prompts, greedy)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_greedy_is_exact_and_sources_are_counted(tiny_models, plain_answers, batch):
+    prompts, greedy, plain = plain_answers
+    llm = LLM(str(tiny_models["target"]), dtype="float32", max_num_seqs=batch,
+              speculative_config={"method": "auto", "num_speculative_tokens": 4, "adaptive": False})
+    assert llm.proposer.names == ["ngram", "suffix"]
+    for _ in range(2):  # the second round: suffix decoding knows the first round's answers
+        for prompt, want, got in zip(prompts, plain, llm.generate(prompts, greedy)):
+            assert got.outputs[0].token_ids == want.outputs[0].token_ids, prompt
+    counts = llm.proposer.counts
+    assert all(proposed > 0 for proposed, _ in counts.values()), counts
+    assert 0 < llm.total_stats.accepted_tokens <= sum(accepted for _, accepted in counts.values())
+    assert counts["suffix"][1] > 0, counts  # repeated answers are drafted across requests
+
+
+def test_metrics_count_by_source(tiny_models):
+    llm = LLM(str(tiny_models["target"]), dtype="float32",
+              speculative_config={"method": "auto", "auto_sources": ["ngram"], "adaptive": False})
+    llm.generate("def add(a, b):\n    return a + b\n\ndef add(", SamplingParams(temperature=0, max_tokens=24))
+    metrics = EngineMetrics()
+    metrics.watch(llm.make_scheduler(1), 64, "auto", llm.proposer)
+    samples = metrics.samples()
+    proposed, accepted = llm.proposer.counts["ngram"]
+    assert proposed > 0
+    assert samples['specdecode:spec_decode_num_draft_tokens_by_source_total{source="ngram"}'] == proposed
+    assert samples['specdecode:spec_decode_num_accepted_tokens_by_source_total{source="ngram"}'] == accepted
+
+
+@pytest.mark.parametrize("sources, message", [
+    (["eagle"], "eagle cannot be combined yet"),
+    (["nope"], "'nope' is not a method"),
+    (["ngram", "ngram"], "distinct methods"),
+    ([], "non-empty list"),
+    ("ngram", "non-empty list"),
+])
+def test_bad_sources_are_refused(tiny_models, sources, message):
+    with pytest.raises(ConfigError, match=message):
+        LLM(str(tiny_models["target"]), dtype="float32",
+            speculative_config={"method": "auto", "auto_sources": sources})
+
+
+def auto_rest_config(root):
+    return {"method": "auto", "auto_sources": ["ngram", "rest"], "model": str(root / "ds"),
+            "num_speculative_tokens": 2, "num_tree_nodes": 4}
+
+
+@pytest.mark.parametrize("params_name", list(BOTH))
+def test_sampling_from_combined_trees_matches_the_target(vocab8_rest, params_name, monkeypatch):  # noqa: F811
+    p_value, stats = chi_square_p(vocab8_rest, auto_rest_config(vocab8_rest), BOTH[params_name], monkeypatch)
+    assert len(stats.accepted_per_pos) >= 2
+    assert p_value > 1e-3
+
+
+def test_negative_control_fails(vocab8_rest, monkeypatch):  # noqa: F811
+    monkeypatch.setattr(verify_module, "verify_trees", per_tree(correction_from_p))
+    monkeypatch.setattr(verify_module, "verify_chains", chains_by(correction_from_p))
+    p_value, _ = chi_square_p(vocab8_rest, auto_rest_config(vocab8_rest), rejection(PARAMS["t0.7_top_p0.9"]),
+                              monkeypatch)
+    assert p_value < 1e-6
