@@ -227,6 +227,15 @@ def workload_lines(results: dict) -> str:
     return "\n".join(lines)
 
 
+def source_line(settings: dict) -> str:
+    """Where the prompts came from."""
+    if settings.get("workload_file"):
+        return f"Prompts and categories from `{settings['workload_file']}`."
+    if settings.get("stdlib_workloads"):
+        return "Prompts: the code workloads from held-out standard-library files (`specdecode/bench/workloads.py`)."
+    return "Categories by the rules in `specdecode/bench/categories.py` (held-out ShareGPT; translation: none present)."
+
+
 def markdown(results: dict) -> str:
     s = results["settings"]
     labels = results["labels"]
@@ -239,7 +248,7 @@ def markdown(results: dict) -> str:
         f"each {modes}; up to {s['max_tokens']} new tokens per request (EOS ends it), batch 1; every engine runs "
         f"every prompt in turn, so speedups are ratios within this run.",
         "## Workloads", workload_lines(results),
-        "Categories by the rules in `specdecode/bench/categories.py` (held-out ShareGPT; translation: none present).",
+        source_line(s),
     ]
     for temperature, table in results["per_request"].items():
         parts += [f"## Per request, {temperature}: all categories", engine_table(table["all"], labels),
