@@ -44,7 +44,7 @@ class SpeculativeConfig:
     """suffix: tokens of finished requests its suffix tree keeps (the oldest finished requests are evicted first)."""
     suffix_max_depth: int = 64
     """suffix: longest string indexed from each position (the matched suffix plus its draft)."""
-    suffix_min_prob: float = 0.1
+    suffix_min_prob: float = 0.5
     """suffix: least estimated probability of a drafted node (continuation frequencies along its path, multiplied)."""
     suffix_spec_factor: float = 1.0
     """suffix: draft levels per matched token at most (a short match drafts little)."""

@@ -27,6 +27,7 @@ KNOWN: dict[str, tuple[str, str]] = {
     "lookahead": ("Jacobi n-grams of the target itself", "specdecode.speculation.proposers.lookahead"),
     "rest": ("retrieval from a datastore", "specdecode.speculation.proposers.rest"),
     "auto": ("one tree from several sources, valued by learned acceptance", "specdecode.speculation.proposers.auto"),
+    "suffix": ("a suffix tree over recent requests", "specdecode.speculation.proposers.suffix"),
 }
 """name -> (what it drafts with, in a few words; the module whose METHOD describes it). Light on purpose: the
 command line lists the methods without importing torch."""
