@@ -40,7 +40,8 @@ PEERS = ("hf_plain", "hf_assisted", "hf_prompt_lookup")
 ALL = "all"
 """The key under which every category's prompts are summed."""
 LABELS = {"plain": "plain", "draft_model": "draft model", "eagle": "EAGLE-2", "medusa": "Medusa",
-          "ngram": "prompt lookup", "lookahead": "Lookahead", "rest": "REST", "hf_plain": "transformers plain",
+          "ngram": "prompt lookup", "lookahead": "Lookahead", "rest": "REST", "suffix": "suffix decoding",
+          "auto": "auto (combined tree)", "hf_plain": "transformers plain",
           "hf_assisted": "transformers assisted (our draft)", "hf_prompt_lookup": "transformers prompt lookup"}
 
 

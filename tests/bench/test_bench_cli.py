@@ -123,7 +123,7 @@ def test_config_rejects_bad_input(tiny_models, capsys):
     with pytest.raises(ConfigError, match="no speculator"):
         BenchConfig(model=str(tiny_models["target"]), sweep_method="eagle")
     config = BenchConfig(model=str(tiny_models["target"]), sweep_batch_sizes=())
-    assert config.methods == ("ngram", "lookahead")  # a path brings no shipped speculators
+    assert config.methods == ("ngram", "lookahead", "suffix")  # a path brings no shipped speculators
     assert main(["bench", "--model", str(tiny_models["target"] / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
 

@@ -266,10 +266,17 @@ def _build(config, context) -> AutoProposer:
     return AutoProposer(sources, config.num_speculative_tokens, config.pass_nodes, config.pass_widths)
 
 
+def _tree_nodes(config) -> int:
+    """The most nodes at full depth: num_tree_nodes, default one per level (wide passes cost much on a CPU: the
+    controller then prices a k-level step as a k-token pass, and the tree spends those k nodes where they are
+    worth most, deep or wide)."""
+    return config.num_tree_nodes or config.num_speculative_tokens
+
+
 def _pass_nodes(config, k: int) -> int:
-    return math.ceil(config.tree_nodes * k / config.num_speculative_tokens)
+    return math.ceil(_tree_nodes(config) * k / config.num_speculative_tokens)
 
 
 METHOD = Method("auto", _build, model="datastore", options=("auto_sources", "num_tree_nodes"),
-                nodes_per_level=lambda config: math.ceil(config.tree_nodes / config.num_speculative_tokens),
+                nodes_per_level=lambda config: math.ceil(_tree_nodes(config) / config.num_speculative_tokens),
                 pass_nodes=_pass_nodes, forced_run=FORCED_RUN)
