@@ -127,6 +127,9 @@ class DraftTree:
     """[n, vocab] the (processed) distribution each node's token was drawn from; None = deterministic guesses."""
     lookahead: LookaheadBranch | None = None
     """Unverified nodes that ride along in the target pass after the draft's (None = none)."""
+    confidence: int = 0
+    """The proposer's own coarse class of how sure its guess is (prompt lookup and suffix decoding: the length of
+    the match it continues); a combining proposer (auto) learns acceptance per class. 0 = none given."""
 
     def __post_init__(self):
         if isinstance(self.parents, torch.Tensor):

@@ -83,9 +83,30 @@ def test_rates_are_learned_per_source_and_carry_to_new_requests():
     assert proposer.counts["right"][1] == proposer.counts["right"][0] > 0 and proposer.counts["wrong"][1] == 0
     fresh = Seq("new")
     proposer.add([fresh])
-    assert proposer.rate("new", 0, 0) > 0.9 > 0.1 > proposer.rate("new", 1, 0)  # a new request starts warm
+    at = proposer.rates.at
+    assert proposer.rate("new", at(0, 0, 0)) > 0.9 > 0.1 > proposer.rate("new", at(1, 0, 0))  # a new one starts warm
     proposer.bind_costs(WidthCosts(0.5, proposer.widths))
     assert paths(proposer.propose([fresh], [1])[0]) == {(1,)}  # the wrong source's node is not worth verifying
+
+
+def test_acceptance_is_learned_per_confidence_class():
+    """A source whose long matches are right and short ones wrong: its confident trees are kept, the others not."""
+    source = Fixed([1, 2], [-1, 0])
+    proposer = auto({"lookup": source}, nodes=lambda k: 2 * k)
+    proposer.bind_costs(WidthCosts(0.5, proposer.widths))
+    for n in range(40):
+        seq = Seq(f"r{n}")
+        proposer.add([seq])
+        source.tree.confidence = 4 if n % 2 else 1
+        tree = proposer.propose([seq], [2])[0]
+        proposer.observe([seq], [tree], [VerifyResult(list(range(len(tree))) if n % 2 else [], 0)])
+        proposer.remove(seq)
+    seq = Seq("new")
+    proposer.add([seq])
+    source.tree.confidence = 4
+    assert len(proposer.propose([seq], [2])[0]) == 2
+    source.tree.confidence = 1
+    assert len(proposer.propose([seq], [2])[0]) == 0
 
 
 class WidthCosts:
@@ -109,8 +130,9 @@ def test_the_tree_stops_where_one_more_node_would_not_pay():
     proposer.add([seq])
     assert len(proposer.propose([seq], [4])[0]) == 4  # no cost model: the budget decides
     proposer.bind_costs(WidthCosts(1 / 3, proposer.widths))  # a node costs a third of a plain step: only sure ones pay
-    proposer.rates.hits[0] = [0.95 * t for t in proposer.rates.trials[0]]
-    proposer.rates.hits[0][2] = 0.2 * proposer.rates.trials[0][2]
+    rates = proposer.rates
+    for depth, rate in enumerate([0.95, 0.95, 0.2, 0.95]):
+        rates.hits[rates.at(0, 0, depth)] = rate * rates.trials[rates.at(0, 0, depth)]
     assert len(proposer.propose([seq], [4])[0]) == 2  # (1 + 0.95 + 0.90) / (1 + 2/3) beats 1 and 3 nodes
 
 

@@ -3,9 +3,10 @@ when a datastore is given), verified in one target pass.
 
 Each source drafts its own tree; the trees are merged into one trie (a token path proposed by two sources is one
 node). Every node is valued by its estimated probability of acceptance given its parent's: for each source that
-proposed it, that source's rate at that depth, learned online from what the verifier accepted (engine-wide, so a
-new request starts from what earlier ones taught, and per request on top of it), combined as the chance that at
-least one source is right. A node's path value is the product along its path: the expected number of tokens it
+proposed it, that source's rate at that depth and for the confidence its tree came with (prompt lookup and suffix
+decoding: how long a match they continue), learned online from what the verifier accepted (engine-wide, so a new
+request starts from what earlier ones taught, and per request on top of it), combined as the chance that at least
+one source is right. A node's path value is the product along its path: the expected number of tokens it
 adds. The nodes with the highest path values are kept (a parent's is never below its child's, so they form a
 tree), as many as the step's budget allows and no more than pay for themselves: with the measured cost of a target
 pass per width (the controller's cost model, when one runs), the tree stops growing where one more node would
@@ -30,8 +31,9 @@ from specdecode.speculation.tree import DraftTree
 
 DEFAULT_SOURCES = ("ngram", "suffix")
 """What `auto` combines without auto_sources (and "rest" too when the config names a datastore)."""
-PRIOR_RATE = 0.5
-"""A source's acceptance rate at every depth before anything is measured."""
+PRIOR_RATE = 0.8
+"""A source's acceptance rate at every depth and confidence before anything is measured: optimistic on purpose, as
+the controller's prior, since a rate is only learned from nodes that are verified."""
 PRIOR_TRIALS = 4.0
 """How many imagined trials that prior is worth, engine-wide."""
 REQUEST_WEIGHT = 8.0
@@ -52,24 +54,34 @@ class Candidate:
     parent: int
     depth: int
     sources: list[int]
+    """Rates keys (source, its tree's confidence class, depth) of the sources that proposed it."""
     value: float = 0.0
     """Path value: the estimated probability that this node is accepted."""
 
 
+CLASSES = 9
+"""Confidence classes a source's tree may give (DraftTree.confidence 0..8, higher ones counted as 8)."""
+
+
 class Rates:
-    """Acceptance per source and depth: P(node accepted | its parent was), as faded (hits, trials)."""
+    """Acceptance per (source, confidence class, depth): P(node accepted | its parent was), as faded (hits,
+    trials) in one flat list."""
 
     def __init__(self, sources: int, depth: int, hits: float, trials: float):
-        self.hits = [[hits] * depth for _ in range(sources)]
-        self.trials = [[trials] * depth for _ in range(sources)]
+        self.depth = depth
+        self.hits = [hits] * (sources * CLASSES * depth)
+        self.trials = [trials] * (sources * CLASSES * depth)
+
+    def at(self, source: int, confidence: int, depth: int) -> int:
+        return (source * CLASSES + min(confidence, CLASSES - 1)) * self.depth + depth
 
     def fade(self, factor: float) -> None:
-        for row in (*self.hits, *self.trials):
-            row[:] = [x * factor for x in row]
+        self.hits = [x * factor for x in self.hits]
+        self.trials = [x * factor for x in self.trials]
 
-    def add(self, source: int, depth: int, success: bool) -> None:
-        self.hits[source][depth] += success
-        self.trials[source][depth] += 1.0
+    def add(self, key: int, success: bool) -> None:
+        self.hits[key] += success
+        self.trials[key] += 1.0
 
 
 class AutoProposer(WithoutDraftCache):
@@ -116,13 +128,14 @@ class AutoProposer(WithoutDraftCache):
 
     # -- drafting -------------------------------------------------------------------------------------------
 
-    def rate(self, request_id: str, source: int, depth: int) -> float:
+    def rate(self, request_id: str, key: int) -> float:
+        """The acceptance estimate of Rates key `key` for a request: its own evidence backed by the engine's."""
         own = self.request_rates.get(request_id)
-        g_hits, g_trials = self.rates.hits[source][depth], self.rates.trials[source][depth]
+        g_hits, g_trials = self.rates.hits[key], self.rates.trials[key]
         prior = g_hits / g_trials if g_trials > 0 else PRIOR_RATE
         if own is None:
             return prior
-        return (own.hits[source][depth] + REQUEST_WEIGHT * prior) / (own.trials[source][depth] + REQUEST_WEIGHT)
+        return (own.hits[key] + REQUEST_WEIGHT * prior) / (own.trials[key] + REQUEST_WEIGHT)
 
     def propose(self, seqs, budgets: list[int]) -> list[DraftTree]:
         per_source = [source.propose(seqs, [min(b, self.max_depth) for b in budgets]) for source in self.sources]
@@ -156,16 +169,14 @@ class AutoProposer(WithoutDraftCache):
                 if up == -2 or depth >= k:  # below a node that was too deep
                     mapped.append(-2)
                     continue
-                key = (up, tokens[i])
-                node = index.get(key)
+                node = index.get((up, tokens[i]))
                 if node is None:
-                    node = index[key] = len(nodes)
+                    node = index[(up, tokens[i])] = len(nodes)
                     nodes.append(Candidate(tokens[i], up, depth, []))
-                if source not in nodes[node].sources:
-                    nodes[node].sources.append(source)
+                nodes[node].sources.append(self.rates.at(source, tree.confidence, depth))
                 mapped.append(node)
         for node in nodes:  # parents come first, so theirs are known
-            miss = math.prod(1.0 - self.rate(request_id, s, node.depth) for s in node.sources)
+            miss = math.prod(1.0 - self.rate(request_id, key) for key in node.sources)
             node.value = (1.0 - miss) * (nodes[node.parent].value if node.parent >= 0 else 1.0)
         return nodes
 
@@ -226,14 +237,15 @@ class AutoProposer(WithoutDraftCache):
                 if node.parent >= 0 and node.parent not in accepted:
                     continue  # its parent was rejected: it was never tried
                 success = i in accepted
-                for s in node.sources:
-                    self.rates.add(s, node.depth, success)
+                for key in node.sources:
+                    self.rates.add(key, success)
                     if own is not None:
-                        own.add(s, node.depth, success)
+                        own.add(key, success)
             for node_index, node in enumerate(kept):
-                for s in node.sources:
-                    self.counts[self.names[s]][0] += 1
-                    self.counts[self.names[s]][1] += node_index in accepted
+                for key in node.sources:
+                    name = self.names[key // (CLASSES * self.max_depth)]
+                    self.counts[name][0] += 1
+                    self.counts[name][1] += node_index in accepted
 
 
 def _source_config(config, name: str):

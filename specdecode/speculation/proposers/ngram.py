@@ -11,7 +11,7 @@ import torch
 from specdecode.errors import ConfigError
 from specdecode.speculation.methods import FORCED_RUN, Method
 from specdecode.speculation.proposers.base import NO_FEATURES, WithoutDraftCache
-from specdecode.speculation.tree import DraftTree
+from specdecode.speculation.tree import DraftTree, chain_parents
 
 
 @dataclasses.dataclass
@@ -51,8 +51,9 @@ class _NgramIndex:
                     seen[1] = end
         self.indexed_until = max(self.indexed_until, len(tokens))
 
-    def lookup(self, tokens: list[int], k: int, min_match: int = 1) -> list[int]:
-        """What followed the longest earlier occurrence of tokens' last n tokens (n >= min_match)."""
+    def lookup(self, tokens: list[int], k: int, min_match: int = 1) -> tuple[list[int], int]:
+        """(what followed the longest earlier occurrence of tokens' last n tokens, n), n >= min_match; ([], 0) if
+        none."""
         for n in reversed(self.sizes):
             if n < min_match:
                 break
@@ -64,8 +65,8 @@ class _NgramIndex:
                 # The most recent match, unless it is so close to the end that it cannot supply k tokens (as when
                 # the text repeats itself): then the first one, whose continuation is usually complete.
                 start = last if len(tokens) - last >= k else first
-                return tokens[start:start + k]
-        return []
+                return tokens[start:start + k], n
+        return [], 0
 
 
 class NgramProposer(WithoutDraftCache):
@@ -93,8 +94,9 @@ class NgramProposer(WithoutDraftCache):
                 continue
             index = self.indices[seq.request_id]
             index.update(seq.token_ids)
-            guess = index.lookup(seq.token_ids, k)
-            trees.append(DraftTree.chain(torch.tensor(guess, dtype=torch.long)) if guess else DraftTree.empty())
+            guess, n = index.lookup(seq.token_ids, k)
+            trees.append(DraftTree(torch.tensor(guess, dtype=torch.long), chain_parents(len(guess)), confidence=n)
+                         if guess else DraftTree.empty())
         return trees
 
     def draft_after(self, seq, tokens: list[int], k: int, min_match: int = 1) -> list[int]:
@@ -103,7 +105,7 @@ class NgramProposer(WithoutDraftCache):
         trailing tokens (at most prompt_lookup_max are asked for)."""
         index = self.indices[seq.request_id]
         index.update(seq.token_ids)
-        return index.lookup(tokens, k, min(min_match, self.config.prompt_lookup_max))
+        return index.lookup(tokens, k, min(min_match, self.config.prompt_lookup_max))[0]
 
     def observe(self, seqs, trees, results) -> None:
         pass  # the index catches up lazily in propose

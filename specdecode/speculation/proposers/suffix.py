@@ -27,6 +27,10 @@ from specdecode.speculation.proposers.base import NO_FEATURES, WithoutDraftCache
 from specdecode.speculation.tree import DraftTree
 
 
+MATCH_CLASSES = 8
+"""A draft tree's confidence is the length of the match it continues, up to this many tokens."""
+
+
 @dataclasses.dataclass
 class SuffixConfig:
     """Suffix decoding options."""
@@ -353,7 +357,8 @@ class SuffixProposer(WithoutDraftCache):
             location, length = found
             depth = min(depth, math.ceil(config.spec_factor * length))
             tokens, parents = draft_tree(self.tree, location, depth, config.nodes(depth), config.min_prob)
-            trees.append(DraftTree(torch.tensor(tokens, dtype=torch.long), tuple(parents)))
+            trees.append(DraftTree(torch.tensor(tokens, dtype=torch.long), tuple(parents),
+                                   confidence=min(length, MATCH_CLASSES)))
         return trees
 
 
