@@ -26,9 +26,12 @@ from specdecode.sampling import SamplingParams
 def engines(args) -> dict[str, dict | None]:
     """Mode -> speculative_config (None: plain decoding)."""
     k = args.num_speculative_tokens
-    return {"plain": None,
-            "suffix": {"method": "suffix", "num_speculative_tokens": k},
-            "ngram": {"method": "ngram", "num_speculative_tokens": args.ngram_tokens}}
+    out = {"plain": None,
+           "suffix": {"method": "suffix", "num_speculative_tokens": k},
+           "ngram": {"method": "ngram", "num_speculative_tokens": args.ngram_tokens}}
+    if args.auto:
+        out["auto"] = {"method": "auto", "num_speculative_tokens": k}
+    return out
 
 
 def totals(rows: list[dict], mode: str) -> dict:
@@ -58,6 +61,7 @@ def main(argv=None) -> int:
     p.add_argument("--num-speculative-tokens", type=int, default=16)
     p.add_argument("--ngram-tokens", type=int, default=8, help="prompt lookup's K (its own default, 8: it measured "
                    "better than 16 here)")
+    p.add_argument("--auto", action="store_true", help="also the auto method (prompt lookup and suffix in one tree)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--out", type=Path, default=Path("docs/bench/suffix/agentic_edit.json"))
