@@ -199,9 +199,10 @@ def _cpu_timed(run: Run) -> Run:
     return timed
 
 
-def build_engines(config: BenchConfig, log: Callable[[str], None]) -> tuple[dict[str, Run], LLM, dict, dict]:
-    """name -> Run for every engine of this run; also the plain LLM, the transformers engines' settings and each
-    method's speculative_config as the engine resolved it."""
+def build_engines(config: BenchConfig, log: Callable[[str], None]) -> tuple[dict[str, Run], LLM, dict, dict, dict]:
+    """name -> Run for every engine of this run; also the plain LLM, the transformers engines' settings, each
+    method's speculative_config as the engine resolved it, and the live per-source counts (source -> [proposed,
+    accepted]) of the engines whose proposer combines sources (auto)."""
     sizes = {"max_num_seqs": 1, "max_model_len": config.max_prompt_tokens + config.max_tokens + 96}
     llms = {"plain": LLM(config.model, dtype=config.dtype, device=config.device, **sizes)}
     for method in config.methods:
@@ -220,6 +221,8 @@ def build_engines(config: BenchConfig, log: Callable[[str], None]) -> tuple[dict
 
     engines = {name: _cpu_timed(ours(llm)) for name, llm in llms.items()}
     resolved = {name: dataclasses.asdict(llm.spec_config) for name, llm in llms.items() if llm.spec_config}
+    sources = {name: llm.proposer.counts for name, llm in llms.items()
+               if isinstance(getattr(llm.proposer, "counts", None), dict)}
     peer_settings = {}
     if config.peers:
         from specdecode.bench.peers import TransformersEngine
@@ -237,7 +240,7 @@ def build_engines(config: BenchConfig, log: Callable[[str], None]) -> tuple[dict
         for name, peer in peers.items():
             engines[name] = _cpu_timed(peer.generate)
             peer_settings[name] = peer.settings()
-    return engines, llms["plain"], peer_settings, resolved
+    return engines, llms["plain"], peer_settings, resolved, sources
 
 
 def load_prompts(config: BenchConfig, tokenizer) -> dict[str, list[Prompt]]:
@@ -328,7 +331,7 @@ def run_bench(config: BenchConfig, log: Callable[[str], None] = lambda s: print(
     """Run everything and return the results (what results.json holds); report.write_report renders them."""
     start = time.perf_counter()
     info = machine_info(resolve_device(config.device))
-    engines, plain, peer_settings, resolved = build_engines(config, log)
+    engines, plain, peer_settings, resolved, sources = build_engines(config, log)
     if config.peers:
         import transformers
 
@@ -351,6 +354,8 @@ def run_bench(config: BenchConfig, log: Callable[[str], None] = lambda s: print(
                "prompts": {c: [{"source": p.source, "prompt_tokens": len(ids), "reference_chars": len(p.reference)}
                                for p, ids in zip(ps, prompt_ids[c])] for c, ps in prompts.items()},
                "per_request": tables,
+               "sources": {name: {source: {"proposed": p, "accepted": a} for source, (p, a) in counts.items()}
+                           for name, counts in sources.items()},
                "peers": {t: {c: compare_peers(rows) for c, rows in table.items()} for t, table in tables.items()}
                if config.peers else {}}
 

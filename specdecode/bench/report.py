@@ -98,6 +98,18 @@ def category_matrix(table: dict[str, dict[str, dict]], labels: dict, key: str = 
     return "\n".join(lines)
 
 
+def source_table(results: dict) -> str:
+    """Draft tokens each source of a combining engine proposed in verified trees, and how many were accepted (a
+    token two sources proposed counts for both)."""
+    lines = ["| engine | source | proposed | accepted | acceptance |", "|---|---|---:|---:|---:|"]
+    for name, counts in results["sources"].items():
+        for source, c in counts.items():
+            share = f"{c['accepted'] / c['proposed']:.0%}" if c["proposed"] else "-"
+            lines.append(f"| {_label(name, results['labels'])} | {source} | {c['proposed']} | {c['accepted']} | "
+                         f"{share} |")
+    return "\n".join(lines)
+
+
 def cost_table(rows: dict[str, dict], labels: dict) -> str:
     """The cost line: output tokens per CPU-second (= per core kept busy) and CPU-seconds per million tokens."""
     lines = ["| engine | tokens/s per core | CPU-seconds per 1M output tokens | vs plain |", "|---|---:|---:|---:|"]
@@ -255,6 +267,8 @@ def markdown(results: dict) -> str:
                   f"### {temperature}: tokens/s over specdecode plain, per category", category_matrix(table, labels),
                   f"### {temperature}: tokens per target pass, per category",
                   category_matrix(table, labels, "mean_accepted_len", "{:.2f}")]
+    if results.get("sources"):
+        parts += ["## Sources of the combined trees (every temperature, warm-up included)", source_table(results)]
     parts += [DEFINITIONS, f"![speedup per engine and category]({PLOTS['speedup']})"]
     if results.get("peers"):
         parts += ["## Against Hugging Face transformers (same checkpoints, same prompt ids, same run)",

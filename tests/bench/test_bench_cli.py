@@ -14,7 +14,7 @@ WORKLOADS = {"categories": {
     "code": ["def add(a, b):", {"messages": [{"role": "user", "content": "class Point:"}], "reference": "x"}],
     "chat": [{"messages": [{"role": "user", "content": "for i in range(10):"}, {"role": "assistant", "content": "ok"},
                            {"role": "user", "content": "import os"}]}]}}
-METHODS = ("draft_model", "ngram", "lookahead")
+METHODS = ("draft_model", "ngram", "lookahead", "auto")
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +95,10 @@ def test_report_shows_the_measured_numbers(bench_run):
     assert f"{results['machine']['torch_threads']} thread(s)" in report and "test run" in report
     for png in ("speedup.png", "batch_sweep.png", "accepted_length.png"):
         assert f"]({png})" in report
+    sources = results["sources"]["auto"]  # auto's sources, counted
+    assert set(sources) == {"ngram", "suffix"} and sum(c["proposed"] for c in sources.values()) > 0
+    for source, c in sources.items():
+        assert f"| auto (combined tree) | {source} | {c['proposed']} | {c['accepted']} |" in report
 
 
 def test_compare_peers_ratios():
