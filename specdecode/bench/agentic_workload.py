@@ -18,7 +18,7 @@ import json
 import sysconfig
 from pathlib import Path
 
-from specdecode.bench.workloads import WORKLOAD_DIR, _functions
+from specdecode.bench.workloads import WORKLOAD_DIR, _functions, heldout_sources
 
 NAME = "agentic_edit"
 PATH = WORKLOAD_DIR / f"{NAME}.json"
@@ -53,12 +53,7 @@ def session(path: str, function: str, name: str) -> list[dict]:
 
 def build(heldout_files: list[str], corpus: Path) -> list[dict]:
     requests: list[dict] = []
-    for rel in sorted(heldout_files):
-        try:
-            source = (corpus / rel).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError):
-            continue
-        lines = source.splitlines(keepends=True)
+    for rel, source, lines in heldout_sources(heldout_files, corpus):
         for start, end, node in _functions(source):
             function = "".join(lines[start:end])
             if len(function) <= MAX_FUNCTION_CHARS:

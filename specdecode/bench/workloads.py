@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import json
 import sysconfig
+from collections.abc import Iterator
 from pathlib import Path
 
 WORKLOAD_DIR = Path(__file__).resolve().parent / "workloads"
@@ -41,14 +42,19 @@ def _functions(source: str) -> list[tuple[int, int, ast.FunctionDef]]:
     return sorted(out, key=lambda t: t[0])
 
 
-def build_prompts(heldout_files: list[str], corpus: Path) -> dict[str, list[str]]:
-    prompts: dict[str, list[str]] = {name: [] for name in WORKLOADS}
+def heldout_sources(heldout_files: list[str], corpus: Path) -> Iterator[tuple[str, str, list[str]]]:
+    """(relative path, source, its lines with their ends) of each readable held-out file, in sorted order."""
     for rel in sorted(heldout_files):
         try:
             source = (corpus / rel).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError):
             continue
-        lines = source.splitlines(keepends=True)
+        yield rel, source, source.splitlines(keepends=True)
+
+
+def build_prompts(heldout_files: list[str], corpus: Path) -> dict[str, list[str]]:
+    prompts: dict[str, list[str]] = {name: [] for name in WORKLOADS}
+    for rel, source, lines in heldout_sources(heldout_files, corpus):
         for start, end, node in _functions(source)[:2]:  # at most two functions per file, for variety
             body = "".join(lines[start:end])
             head = lines[start]

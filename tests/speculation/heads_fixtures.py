@@ -165,3 +165,15 @@ def chains_by(verify_one):
             n_matches[b], next_token[b] = len(result.accepted), result.next_token
         return n_matches.to(p.device), next_token.to(p.device)
     return verify
+
+
+def node_paths(tokens: list[int], parents: list[int]) -> set[tuple[int, ...]]:
+    """The token path from the root to every node of a tree given as tokens and a parent array."""
+    paths = set()
+    for i in range(len(tokens)):
+        path, node = [], i
+        while node >= 0:
+            path.append(tokens[node])
+            node = parents[node]
+        paths.add(tuple(path[::-1]))
+    return paths

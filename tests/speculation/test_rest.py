@@ -16,7 +16,7 @@ from specdecode.sampling import SamplingParams
 from specdecode.speculation.datastore import Datastore, write_datastore
 from specdecode.speculation.proposers.rest import frequency_tree
 
-from .heads_fixtures import chains_by, chi_square_p, correction_from_p, per_tree
+from .heads_fixtures import chains_by, chi_square_p, correction_from_p, node_paths, per_tree
 from .test_lossless_sampling import BOTH, PARAMS, rejection, PROMPT, make_tiny_vocab_model
 
 
@@ -68,15 +68,8 @@ def test_continuations_are_spread_over_many_matches(tmp_path):
 def test_frequency_tree_keeps_the_most_frequent_nodes():
     continuations = [(1, 2, 3)] * 5 + [(1, 2, 4)] * 3 + [(1, 5)] * 2 + [(6, 7)] * 4
     tokens, parents = frequency_tree(continuations, 5)
-    paths = set()
-    for i in range(len(tokens)):
-        path, node = [], i
-        while node >= 0:
-            path.append(tokens[node])
-            node = parents[node]
-        paths.add(tuple(path[::-1]))
-        assert parents[i] < i
-    assert paths == {(1,), (1, 2), (1, 2, 3), (6,), (6, 7)}  # counts 10, 8, 5, 4, 4 beat (1, 2, 4): 3
+    assert all(p < i for i, p in enumerate(parents))
+    assert node_paths(tokens, parents) == {(1,), (1, 2), (1, 2, 3), (6,), (6, 7)}  # 10, 8, 5, 4, 4 beat (1, 2, 4): 3
     assert tokens[:2] == [1, 2] and frequency_tree([], 4) == ([], [])
 
 

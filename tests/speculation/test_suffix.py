@@ -15,7 +15,7 @@ from specdecode.speculation.proposers.suffix import SuffixTree, draft_tree
 
 from tests.certify.models import make_pair
 
-from .heads_fixtures import chi_square_p
+from .heads_fixtures import chi_square_p, node_paths
 from .test_lossless_sampling import BOTH
 
 
@@ -77,14 +77,7 @@ def test_draft_tree_ranks_continuations_by_frequency():
     assert length == 2  # "1 2" (the pending "2" included) occurred before; "0 1 2" did not
     tokens, parents = draft_tree(tree, location, depth=3, nodes=10, min_prob=0.1)
     # 3 follows 4 of 5 times (0.8), then 4 (0.6) or 6 (0.2), then 5 after 4 (0.6) and 7 after 6 (0.2); 9 is 0.2
-    paths = set()
-    for i in range(len(tokens)):
-        path, node = [], i
-        while node >= 0:
-            path.append(tokens[node])
-            node = parents[node]
-        paths.add(tuple(path[::-1]))
-    assert paths == {(3,), (3, 4), (3, 4, 5), (3, 6), (3, 6, 7), (9,)}
+    assert node_paths(tokens, parents) == {(3,), (3, 4), (3, 4, 5), (3, 6), (3, 6, 7), (9,)}
     assert tokens[:3] == [3, 4, 5] and all(p < i for i, p in enumerate(parents))
     assert draft_tree(tree, location, depth=3, nodes=2, min_prob=0.1)[0] == [3, 4]
     assert draft_tree(tree, location, depth=3, nodes=10, min_prob=0.5)[0] == [3, 4, 5]
