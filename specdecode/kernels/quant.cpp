@@ -60,71 +60,134 @@ inline float half_to_float(uint16_t h) {
 #endif
 }
 
-// Rows of activations, quantized: q [M, K] int16, d [M, K/32] scales, s [M, K/32] = d * sum(q of the
-// block).
+// Blocks are taken eight at a time (a group): the kernels turn a group's 8 x 32 weights around so that lane i of
+// an int32 vector only ever sums products of block i, and the activations are stored in the matching order; after
+// 16 integer multiply-adds the vector holds the group's 8 exact block sums, which are scaled with one convert and
+// one fused multiply-add (scales dw * dx as a vector of 8). A row's last group is padded with zero blocks.
+constexpr int64_t GROUP = 8;
+constexpr int64_t GROUP_VALUES = GROUP * QK;
+constexpr int64_t VECTORS = 16;  // int16 vectors of 16 values per group
+
+// Where the kernels' layout puts the values of a group: vector k, lane l (2 lanes per block, block l / 2) holds
+// element index_in_group(k, l) (block * 32 + element). This follows from how the weights are unpacked below: a
+// vector of 8 dwords, dword i = bytes 4t..4t+3 of block i, read as 16-bit lanes (lane 2i + c = bytes 4t + 2c and
+// 4t + 2c + 1).
+//   4-bit: vector 4t + s: s = 0 low nibble of the lane's first byte (element 4t + 2c), 1 its high nibble (+16),
+//          2 the second byte's low nibble (+1), 3 its high nibble (+17);
+//   8-bit: vector 2t + s: s = 0 the first byte (element 4t + 2c), 1 the second (4t + 2c + 1).
+inline int index_in_group(int64_t format, int k, int lane) {
+  const int block = lane / 2, c = lane % 2;
+  int element;
+  if (format == Q8_0) {
+    element = 4 * (k / 2) + 2 * c + k % 2;
+  } else {
+    static constexpr int shift[4] = {0, 16, 1, 17};
+    element = 4 * (k / 4) + 2 * c + shift[k % 4];
+  }
+  return block * QK + element;
+}
+
+// Rows of activations, quantized per block of 32: q [M, groups * 256] int16 (natural order, or the kernels' order
+// when `interleaved`), d [M, groups * 8] scales, s = d * (sum of the block's q), sum [M, groups * 8] int32 (the
+// same sum, for Q4_0's offset). Padding blocks are zero throughout.
 struct QuantRows {
-  torch::Tensor q, d, s;
-  int64_t rows, blocks;
+  torch::Tensor q, d, s, sum;
+  int64_t rows, blocks, groups;
 };
 
-QuantRows quantize_rows(const torch::Tensor& x) {
+QuantRows quantize_rows(const torch::Tensor& x, int64_t format, bool interleaved) {
   constexpr float LEVELS = 32767.f;
   auto xf = x.to(torch::kFloat32).contiguous();
-  const int64_t M = xf.size(0), K = xf.size(1), nb = K / QK;
-  QuantRows out{torch::empty({M, K}, torch::kInt16),
-                torch::empty({M, nb}, torch::kFloat32), torch::empty({M, nb}, torch::kFloat32), M, nb};
+  const int64_t M = xf.size(0), K = xf.size(1), nb = K / QK, ng = (nb + GROUP - 1) / GROUP;
+  QuantRows out{torch::empty({M, ng * GROUP_VALUES}, torch::kInt16), torch::empty({M, ng * GROUP}, torch::kFloat32),
+                torch::empty({M, ng * GROUP}, torch::kFloat32), torch::empty({M, ng * GROUP}, torch::kInt32), M, nb,
+                ng};
+  int order[GROUP_VALUES];  // position in the stored group -> element of the natural group
+  for (int k = 0; k < VECTORS; ++k)
+    for (int lane = 0; lane < 16; ++lane) order[k * 16 + lane] = index_in_group(format, k, lane);
   const float* src = xf.data_ptr<float>();
   int16_t* q = out.q.data_ptr<int16_t>();
   float* d = out.d.data_ptr<float>();
   float* s = out.s.data_ptr<float>();
-  at::parallel_for(0, M * nb, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const float* v = src + i * QK;  // rows are contiguous: block i of the flattened matrix
-      float amax = 0.f;
-      for (int j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(v[j]));
-      const float scale = amax / LEVELS;
-      const float inv = scale > 0.f ? 1.f / scale : 0.f;
-      int sum = 0;
-      for (int j = 0; j < QK; ++j) {
-        const int value = static_cast<int>(std::nearbyint(v[j] * inv));
-        q[i * QK + j] = static_cast<int16_t>(value);
-        sum += value;
+  int32_t* sums = out.sum.data_ptr<int32_t>();
+  at::parallel_for(0, M * ng, 32, [&](int64_t begin, int64_t end) {
+    int16_t natural[GROUP_VALUES];
+    for (int64_t i = begin; i < end; ++i) {  // group g of row m
+      const int64_t m = i / ng, g = i % ng;
+      for (int64_t blk = 0; blk < GROUP; ++blk) {
+        const int64_t b = g * GROUP + blk, at = m * ng * GROUP + b;
+        int16_t* values = natural + blk * QK;
+        if (b >= nb) {
+          std::memset(values, 0, QK * sizeof(int16_t));
+          d[at] = s[at] = 0.f;
+          sums[at] = 0;
+          continue;
+        }
+        const float* v = src + m * K + b * QK;
+        float amax = 0.f;
+        for (int j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(v[j]));
+        const float scale = amax / LEVELS;
+        const float inv = scale > 0.f ? 1.f / scale : 0.f;
+        int sum = 0;
+        for (int j = 0; j < QK; ++j) {
+          const int value = static_cast<int>(std::nearbyint(v[j] * inv));
+          values[j] = static_cast<int16_t>(value);
+          sum += value;
+        }
+        d[at] = scale;
+        s[at] = scale * static_cast<float>(sum);
+        sums[at] = sum;
       }
-      d[i] = scale;
-      s[i] = scale * static_cast<float>(sum);
+      int16_t* dst = q + i * GROUP_VALUES;  // (rows are whole groups: group i of the flattened matrix)
+      if (interleaved) {
+        for (int p = 0; p < GROUP_VALUES; ++p) dst[p] = natural[order[p]];
+      } else {
+        std::memcpy(dst, natural, sizeof(natural));
+      }
     }
   });
   return out;
 }
 
+// The float steps, shared by every path: block b of a row adds dw * dx * (its integer sum) (then, Q4_1, m * s) to
+// lane b % 8 of 8 float accumulators, groups in order, and the lanes are summed as `sum_lanes` does. With the
+// integer sums exact, this fixes every rounding of a (row, output) whatever path, tile or thread computes it.
+inline float sum_lanes(const float* lane) {  // the order of hsum() below
+  const float a0 = lane[0] + lane[4], a1 = lane[1] + lane[5], a2 = lane[2] + lane[6], a3 = lane[3] + lane[7];
+  return (a0 + a2) + (a1 + a3);
+}
+
 // ---- the reference: one (row, output) dot product in plain C++ (also the kernel where AVX2 is absent) ----
 
-float dot_scalar(int64_t format, const uint8_t* w, const int16_t* xq, const float* xd, const float* xs, int64_t nb) {
-  float total = 0.f;
-  for (int64_t b = 0; b < nb; ++b) {
+float dot_scalar(int64_t format, const uint8_t* w, const int16_t* xq, const float* xd, const float* xs,
+                 const int32_t* xsum, int64_t nb, int64_t ng) {
+  float lane[GROUP] = {};
+  for (int64_t b = 0; b < ng * GROUP; ++b) {
     const int16_t* x = xq + b * QK;
     int sum = 0;
-    float block;
-    if (format == Q8_0) {
-      const auto* blk = reinterpret_cast<const BlockQ8_0*>(w) + b;
-      for (int j = 0; j < QK; ++j) sum += blk->q[j] * x[j];
-      block = half_to_float(blk->d) * xd[b] * static_cast<float>(sum);
-    } else if (format == Q4_0) {
-      const auto* blk = reinterpret_cast<const BlockQ4_0*>(w) + b;
-      int xsum = 0;
-      for (int j = 0; j < 16; ++j) {
-        sum += (blk->q[j] & 0x0F) * x[j] + (blk->q[j] >> 4) * x[j + 16];
-        xsum += x[j] + x[j + 16];
+    float dw = 0.f, mw = 0.f;
+    if (b < nb) {
+      if (format == Q8_0) {
+        const auto* blk = reinterpret_cast<const BlockQ8_0*>(w) + b;
+        for (int j = 0; j < QK; ++j) sum += blk->q[j] * x[j];
+        dw = half_to_float(blk->d);
+      } else if (format == Q4_0) {
+        const auto* blk = reinterpret_cast<const BlockQ4_0*>(w) + b;
+        for (int j = 0; j < 16; ++j) sum += (blk->q[j] & 0x0F) * x[j] + (blk->q[j] >> 4) * x[j + 16];
+        sum -= 8 * xsum[b];
+        dw = half_to_float(blk->d);
+      } else {
+        const auto* blk = reinterpret_cast<const BlockQ4_1*>(w) + b;
+        for (int j = 0; j < 16; ++j) sum += (blk->q[j] & 0x0F) * x[j] + (blk->q[j] >> 4) * x[j + 16];
+        dw = half_to_float(blk->d);
+        mw = half_to_float(blk->m);
       }
-      block = half_to_float(blk->d) * xd[b] * static_cast<float>(sum - 8 * xsum);
-    } else {
-      const auto* blk = reinterpret_cast<const BlockQ4_1*>(w) + b;
-      for (int j = 0; j < 16; ++j) sum += (blk->q[j] & 0x0F) * x[j] + (blk->q[j] >> 4) * x[j + 16];
-      block = half_to_float(blk->d) * xd[b] * static_cast<float>(sum) + half_to_float(blk->m) * xs[b];
     }
-    total += block;
+    float& acc = lane[b % GROUP];
+    acc = std::fma(dw * xd[b], static_cast<float>(sum), acc);
+    if (format == Q4_1) acc = std::fma(mw, xs[b], acc);
   }
-  return total;
+  return sum_lanes(lane);
 }
 
 #if defined(__AVX2__)
@@ -139,124 +202,169 @@ inline float hsum(__m256 v) {
 
 #define UNROLL _Pragma("GCC unroll 16")  // constant-bound loops over tiles: their accumulators stay in registers
 
-// 32 weights as int16 (lo: elements 0..15, hi: 16..31), from 32 bytes (signed or unsigned values).
-struct Wide { __m256i lo, hi; };
+template <int F> constexpr int64_t BYTES = F == Q8_0 ? sizeof(BlockQ8_0) : F == Q4_0 ? sizeof(BlockQ4_0)
+                                                                                    : sizeof(BlockQ4_1);
+template <int F> constexpr int64_t Q_OFFSET = F == Q4_1 ? 4 : 2;  // where q starts in a block
+template <int F> constexpr int DWORDS = F == Q8_0 ? 8 : 4;         // dwords of q per block
 
-inline Wide widen_signed(__m256i bytes) {
-  return {_mm256_cvtepi8_epi16(_mm256_castsi256_si128(bytes)),
-          _mm256_cvtepi8_epi16(_mm256_extracti128_si256(bytes, 1))};
+inline __m256i load2(const uint8_t* lo, const uint8_t* hi) {
+  return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lo))),
+                                 _mm_loadu_si128(reinterpret_cast<const __m128i*>(hi)), 1);
 }
 
-inline __m256i unpack_nibbles(const uint8_t* q) {
-  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-  const __m256i both = _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed);  // high half: elements 16..31
-  return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
-}
-
-// One weight block's 32 values as int16.
+// A group of 8 weight blocks turned around: t[k] dword i = dword k of block i's q.
 template <int F>
-inline Wide unpack(const uint8_t* row, int64_t b) {
-  if constexpr (F == Q8_0) {
-    const auto* blk = reinterpret_cast<const BlockQ8_0*>(row) + b;
-    return widen_signed(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk->q)));
-  } else if constexpr (F == Q4_0) {
-    const auto* blk = reinterpret_cast<const BlockQ4_0*>(row) + b;
-    return widen_signed(_mm256_sub_epi8(unpack_nibbles(blk->q), _mm256_set1_epi8(8)));
+inline void transpose(const uint8_t* q, __m256i* t) {
+  constexpr int64_t B = BYTES<F>;
+  if constexpr (F != Q8_0) {
+    __m256i y[4];  // [block k | block k + 4]
+    UNROLL for (int k = 0; k < 4; ++k) y[k] = load2(q + k * B, q + (k + 4) * B);
+    const __m256i a = _mm256_unpacklo_epi32(y[0], y[1]), b = _mm256_unpackhi_epi32(y[0], y[1]);
+    const __m256i c = _mm256_unpacklo_epi32(y[2], y[3]), e = _mm256_unpackhi_epi32(y[2], y[3]);
+    t[0] = _mm256_unpacklo_epi64(a, c);
+    t[1] = _mm256_unpackhi_epi64(a, c);
+    t[2] = _mm256_unpacklo_epi64(b, e);
+    t[3] = _mm256_unpackhi_epi64(b, e);
   } else {
-    const auto* blk = reinterpret_cast<const BlockQ4_1*>(row) + b;
-    return widen_signed(unpack_nibbles(blk->q));  // 0..15: a signed widening is the same
-  }
-}
-
-// The float scales (d) and offsets (m, Q4_1) of `rows` weight rows, row after row: nb values each.
-template <int F>
-void row_scales(const uint8_t* weight, int64_t row_bytes, int64_t rows, int64_t nb, float* d, float* m) {
-  for (int64_t j = 0; j < rows; ++j) {
-    const uint8_t* row = weight + j * row_bytes;
-    for (int64_t b = 0; b < nb; ++b) {
-      if constexpr (F == Q8_0) {
-        d[j * nb + b] = half_to_float((reinterpret_cast<const BlockQ8_0*>(row) + b)->d);
-      } else if constexpr (F == Q4_0) {
-        d[j * nb + b] = half_to_float((reinterpret_cast<const BlockQ4_0*>(row) + b)->d);
-      } else {
-        const auto* blk = reinterpret_cast<const BlockQ4_1*>(row) + b;
-        d[j * nb + b] = half_to_float(blk->d);
-        m[j * nb + b] = half_to_float(blk->m);
-      }
+    __m256i y[8], a[8], b[8];
+    UNROLL for (int k = 0; k < 8; ++k) y[k] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + k * B));
+    UNROLL for (int k = 0; k < 4; ++k) {
+      a[2 * k] = _mm256_unpacklo_epi32(y[2 * k], y[2 * k + 1]);      // dwords 0, 1 | 4, 5 of blocks 2k, 2k + 1
+      a[2 * k + 1] = _mm256_unpackhi_epi32(y[2 * k], y[2 * k + 1]);  // dwords 2, 3 | 6, 7
+    }
+    UNROLL for (int h = 0; h < 2; ++h) {  // blocks 0..3, then 4..7: dword 0 | 4, 1 | 5, 2 | 6, 3 | 7
+      b[4 * h + 0] = _mm256_unpacklo_epi64(a[4 * h], a[4 * h + 2]);
+      b[4 * h + 1] = _mm256_unpackhi_epi64(a[4 * h], a[4 * h + 2]);
+      b[4 * h + 2] = _mm256_unpacklo_epi64(a[4 * h + 1], a[4 * h + 3]);
+      b[4 * h + 3] = _mm256_unpackhi_epi64(a[4 * h + 1], a[4 * h + 3]);
+    }
+    UNROLL for (int k = 0; k < 4; ++k) {
+      t[k] = _mm256_permute2x128_si256(b[k], b[4 + k], 0x20);
+      t[k + 4] = _mm256_permute2x128_si256(b[k], b[4 + k], 0x31);
     }
   }
 }
 
-// Q4_1's offset term of one output, sum over blocks of m * (dx * sum of the block's activations): 8 blocks at a
-// time, then the tail (the same order for every output).
-inline float offset_dot(const float* m, const float* s, int64_t nb) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t b = 0;
-  for (; b + 8 <= nb; b += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(m + b), _mm256_loadu_ps(s + b), acc);
-  float total = hsum(acc);
-  for (; b < nb; ++b) total = std::fma(m[b], s[b], total);
-  return total;
+// Vector k of the group's weights as int16 (the layout of index_in_group).
+template <int F>
+inline __m256i unpack(const __m256i* t, int k) {
+  if constexpr (F == Q8_0) {
+    const __m256i v = t[k / 2];
+    return k % 2 == 0 ? _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8) : _mm256_srai_epi16(v, 8);
+  } else {
+    const __m256i v = t[k / 4], low4 = _mm256_set1_epi16(0x000F);
+    switch (k % 4) {
+      case 0: return _mm256_and_si256(v, low4);
+      case 1: return _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+      case 2: return _mm256_and_si256(_mm256_srli_epi16(v, 8), low4);
+      default: return _mm256_srli_epi16(v, 12);
+    }
+  }
 }
 
-// Integer dot product of a weight block with 32 int16 activations -> 8 int32 lanes (exact: |w| <= 127).
-inline __m256i block_dot(const Wide& w, const int16_t* x) {
-  const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-  const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16));
-  return _mm256_add_epi32(_mm256_madd_epi16(w.lo, x0), _mm256_madd_epi16(w.hi, x1));
+// The 8 blocks' scales d (and offsets m, Q4_1) as floats: a block starts with fp16 d (then Q4_1's fp16 m).
+template <int F>
+inline void group_scales(const uint8_t* blocks, __m256& d, __m256& m) {
+  constexpr int B = static_cast<int>(BYTES<F>);
+  const __m256i starts = _mm256_setr_epi32(0, B, 2 * B, 3 * B, 4 * B, 5 * B, 6 * B, 7 * B);
+  __m256i dm = _mm256_i32gather_epi32(reinterpret_cast<const int*>(blocks), starts, 1);
+  const __m256i split = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                         0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+  dm = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(dm, split), 0xD8);  // [d0..d7 | m0..m7]
+  d = _mm256_cvtph_ps(_mm256_castsi256_si128(dm));
+  m = _mm256_cvtph_ps(_mm256_extracti128_si256(dm, 1));
 }
 
-// The outputs of WR weight rows (w, w + row_bytes, ...; their scales dw, offsets mw, nb each) for R activation
-// rows: out[r * out_stride + j]. Every (row, output) pair has its own accumulator and sees the same operations in
-// the same order whatever WR and R are: the tiles only decide what is loaded once and reused, never how a number
-// is summed.
+// acc + the integer dot products of 16 int16 pairs (exact).
+inline __m256i dot_add(__m256i acc, __m256i w, const int16_t* x) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpwssd_epi32(acc, w, v);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpwssd_avx_epi32(acc, w, v);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(w, v));
+#endif
+}
+
+// Activation rows [m0, m0 + R) of the quantized input, as pointers to their first row.
+struct RowsView {
+  const int16_t* q;
+  const float *d, *s;
+  const int32_t* sum;
+  int64_t q_stride, stride;  // values per row of q, and of d/s/sum
+};
+
+// The outputs of WR weight rows (w, w + row_bytes, ...) for R activation rows: out[r * out_stride + j]. Every
+// (row, output) pair has its own accumulators and sees the same operations in the same order whatever WR and R
+// are: the tiles only decide what is loaded once and reused, never how a number is summed.
 template <int F, int WR, int R>
-void tile_avx2(const uint8_t* w, int64_t row_bytes, const float* dw, const float* mw, const int16_t* xq,
-               const float* xd, const float* xs, int64_t nb, int64_t K, float* out, int64_t out_stride) {
+void tile_avx2(const uint8_t* w, int64_t row_bytes, const RowsView& x, int64_t nb, float* out, int64_t out_stride) {
+  constexpr int64_t B = BYTES<F>;
+  const int64_t ng = (nb + GROUP - 1) / GROUP;
   __m256 acc[WR][R];
   UNROLL for (int j = 0; j < WR; ++j)
     UNROLL for (int r = 0; r < R; ++r) acc[j][r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    Wide blocks[WR];
-    UNROLL for (int j = 0; j < WR; ++j) blocks[j] = unpack<F>(w + j * row_bytes, b);
-    UNROLL for (int r = 0; r < R; ++r) {
-      const int16_t* x = xq + r * K + b * QK;
-      const float dx = xd[r * nb + b];
+  for (int64_t g = 0; g < ng; ++g) {
+    __m256i t[WR][DWORDS<F>];
+    __m256 dw[WR], mw[WR];
+    alignas(32) uint8_t padded[WR][GROUP * B];  // a row's last, partial group, followed by zero blocks
+    UNROLL for (int j = 0; j < WR; ++j) {
+      const uint8_t* blocks = w + j * row_bytes + g * GROUP * B;
+      const int64_t count = std::min(GROUP, nb - g * GROUP);
+      if (count < GROUP) {
+        std::memset(padded[j], 0, sizeof(padded[j]));
+        std::memcpy(padded[j], blocks, count * B);
+        blocks = padded[j];
+      }
+      transpose<F>(blocks + Q_OFFSET<F>, t[j]);
+      group_scales<F>(blocks, dw[j], mw[j]);
+    }
+    __m256i sums[WR][R];
+    UNROLL for (int j = 0; j < WR; ++j)
+      UNROLL for (int r = 0; r < R; ++r) sums[j][r] = _mm256_setzero_si256();
+    const int16_t* xq = x.q + g * GROUP_VALUES;
+    UNROLL for (int k = 0; k < VECTORS; ++k) {
       UNROLL for (int j = 0; j < WR; ++j) {
-        const __m256i p = block_dot(blocks[j], x);
-        acc[j][r] = _mm256_fmadd_ps(_mm256_set1_ps(dw[j * nb + b] * dx), _mm256_cvtepi32_ps(p), acc[j][r]);
+        const __m256i v = unpack<F>(t[j], k);
+        UNROLL for (int r = 0; r < R; ++r) sums[j][r] = dot_add(sums[j][r], v, xq + r * x.q_stride + k * 16);
+      }
+    }
+    UNROLL for (int r = 0; r < R; ++r) {
+      const int64_t at = r * x.stride + g * GROUP;
+      const __m256 dx = _mm256_loadu_ps(x.d + at);
+      UNROLL for (int j = 0; j < WR; ++j) {
+        __m256i total = sums[j][r];
+        if constexpr (F == Q4_0)  // weights q - 8
+          total = _mm256_sub_epi32(total, _mm256_slli_epi32(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.sum + at)), 3));
+        acc[j][r] = _mm256_fmadd_ps(_mm256_mul_ps(dw[j], dx), _mm256_cvtepi32_ps(total), acc[j][r]);
+        if constexpr (F == Q4_1) acc[j][r] = _mm256_fmadd_ps(mw[j], _mm256_loadu_ps(x.s + at), acc[j][r]);
       }
     }
   }
   UNROLL for (int j = 0; j < WR; ++j)
-    UNROLL for (int r = 0; r < R; ++r) {
-      float value = hsum(acc[j][r]);
-      if constexpr (F == Q4_1) value += offset_dot(mw + j * nb, xs + r * nb, nb);
-      out[r * out_stride + j] = value;
-    }
+    UNROLL for (int r = 0; r < R; ++r) out[r * out_stride + j] = hsum(acc[j][r]);
 }
 
-// Weight rows [0, rows) (their scales dw, offsets mw) against activation rows [m0, m0 + R): tiles of WR weight
-// rows, then one at a time.
+// Weight rows [0, rows) against activation rows [m0, m0 + R): tiles of WR weight rows, then one at a time.
 template <int F, int WR, int R>
-void rows_avx2(const uint8_t* weight, int64_t row_bytes, const float* dw, const float* mw, int64_t rows,
-               const int16_t* q, const float* d, const float* s, int64_t nb, int64_t K, float* out, int64_t N) {
+void rows_avx2(const uint8_t* weight, int64_t row_bytes, int64_t rows, const RowsView& x, int64_t nb, float* out,
+               int64_t N) {
   int64_t n = 0;
-  for (; n + WR <= rows; n += WR)
-    tile_avx2<F, WR, R>(weight + n * row_bytes, row_bytes, dw + n * nb, mw + n * nb, q, d, s, nb, K, out + n, N);
-  for (; n < rows; ++n)
-    tile_avx2<F, 1, R>(weight + n * row_bytes, row_bytes, dw + n * nb, mw + n * nb, q, d, s, nb, K, out + n, N);
+  for (; n + WR <= rows; n += WR) tile_avx2<F, WR, R>(weight + n * row_bytes, row_bytes, x, nb, out + n, N);
+  for (; n < rows; ++n) tile_avx2<F, 1, R>(weight + n * row_bytes, row_bytes, x, nb, out + n, N);
 }
 
 #ifndef R1_WR
-#define R1_WR 2
+#define R1_WR 4
 #endif
 
 template <int F>
-void range_avx2(const uint8_t* weight, int64_t row_bytes, const float* dw, const float* mw, int64_t n_rows,
-                const int16_t* q, const float* d, const float* s, int64_t nb, int64_t K, int64_t rows, float* out,
-                int64_t N) {
-#define SPECDECODE_ROWS(WR, R) rows_avx2<F, WR, R>(weight, row_bytes, dw, mw, n_rows, q, d, s, nb, K, out, N)
-  switch (rows) {  // weight rows per tile: as many as keep every accumulator in a register
+void range_avx2(const uint8_t* weight, int64_t row_bytes, int64_t n_rows, const RowsView& x, int64_t nb,
+                int64_t rows, float* out, int64_t N) {
+#define SPECDECODE_ROWS(WR, R) rows_avx2<F, WR, R>(weight, row_bytes, n_rows, x, nb, out, N)
+  switch (rows) {  // weight rows per tile: as many as keep the accumulators in registers
     case 8: SPECDECODE_ROWS(1, 8); break;
     case 7: SPECDECODE_ROWS(1, 7); break;
     case 6: SPECDECODE_ROWS(1, 6); break;
@@ -274,43 +382,34 @@ void range_avx2(const uint8_t* weight, int64_t row_bytes, const float* dw, const
 constexpr int64_t ROW_TILE = 8;     // activation rows per pass over a weight row (their accumulators in registers)
 constexpr int64_t WEIGHT_TILE = 16;  // weight rows kept hot while every tile of activation rows passes over them
 
-void matmul_range(int64_t format, const uint8_t* weight, int64_t row_bytes, const QuantRows& x, int64_t K,
-                  float* out, int64_t N, int64_t n_begin, int64_t n_end, bool use_simd) {
+void matmul_range(int64_t format, const uint8_t* weight, int64_t row_bytes, const QuantRows& x, float* out,
+                  int64_t N, int64_t n_begin, int64_t n_end, bool use_simd) {
   const int16_t* xq = x.q.data_ptr<int16_t>();
   const float* xd = x.d.data_ptr<float>();
   const float* xs = x.s.data_ptr<float>();
-  const int64_t M = x.rows, nb = x.blocks;
-  std::vector<float> dw(WEIGHT_TILE * nb), mw(WEIGHT_TILE * nb);  // the chunk's scales, converted once
+  const int32_t* xsum = x.sum.data_ptr<int32_t>();
+  const int64_t M = x.rows, nb = x.blocks, ng = x.groups, q_stride = ng * GROUP_VALUES, stride = ng * GROUP;
   for (int64_t n0 = n_begin; n0 < n_end; n0 += WEIGHT_TILE) {
     const int64_t n1 = std::min(n_end, n0 + WEIGHT_TILE);
     const uint8_t* chunk = weight + n0 * row_bytes;
-#if defined(__AVX2__)
-    if (use_simd) {
-      if (format == Q8_0) row_scales<Q8_0>(chunk, row_bytes, n1 - n0, nb, dw.data(), mw.data());
-      else if (format == Q4_0) row_scales<Q4_0>(chunk, row_bytes, n1 - n0, nb, dw.data(), mw.data());
-      else row_scales<Q4_1>(chunk, row_bytes, n1 - n0, nb, dw.data(), mw.data());
-    }
-#endif
     for (int64_t m0 = 0; m0 < M; m0 += ROW_TILE) {
       const int64_t rows = std::min(ROW_TILE, M - m0);
-      const int16_t* q = xq + m0 * K;
-      const float* d = xd + m0 * nb;
-      const float* s = xs + m0 * nb;
 #if defined(__AVX2__)
       if (use_simd) {
+        const RowsView view{xq + m0 * q_stride, xd + m0 * stride, xs + m0 * stride, xsum + m0 * stride, q_stride,
+                            stride};
         float* o = out + m0 * N + n0;
-        const float *dp = dw.data(), *mp = mw.data();
-        if (format == Q8_0) range_avx2<Q8_0>(chunk, row_bytes, dp, mp, n1 - n0, q, d, s, nb, K, rows, o, N);
-        else if (format == Q4_0) range_avx2<Q4_0>(chunk, row_bytes, dp, mp, n1 - n0, q, d, s, nb, K, rows, o, N);
-        else range_avx2<Q4_1>(chunk, row_bytes, dp, mp, n1 - n0, q, d, s, nb, K, rows, o, N);
+        if (format == Q8_0) range_avx2<Q8_0>(chunk, row_bytes, n1 - n0, view, nb, rows, o, N);
+        else if (format == Q4_0) range_avx2<Q4_0>(chunk, row_bytes, n1 - n0, view, nb, rows, o, N);
+        else range_avx2<Q4_1>(chunk, row_bytes, n1 - n0, view, nb, rows, o, N);
         continue;
       }
 #endif
       for (int64_t n = n0; n < n1; ++n) {
         const uint8_t* w = weight + n * row_bytes;
-        float* o = out + m0 * N + n;
-        for (int64_t r = 0; r < rows; ++r)
-          o[r * N] = dot_scalar(format, w, q + r * K, d + r * nb, s + r * nb, nb);
+        for (int64_t r = m0; r < m0 + rows; ++r)
+          out[r * N + n] = dot_scalar(format, w, xq + r * q_stride, xd + r * stride, xs + r * stride,
+                                      xsum + r * stride, nb, ng);
       }
     }
   }
@@ -334,12 +433,17 @@ torch::Tensor qmatmul(const torch::Tensor& x, const torch::Tensor& weight, int64
   check_weight(weight, format, K);
   auto out = torch::empty({M, N}, torch::kFloat32);
   if (M == 0) return out;
-  const QuantRows quantized = quantize_rows(x);
+#if defined(__AVX2__)
+  const bool interleaved = use_simd;
+#else
+  const bool interleaved = false;
+#endif
+  const QuantRows quantized = quantize_rows(x, format, interleaved);
   const uint8_t* w = weight.data_ptr<uint8_t>();
   float* o = out.data_ptr<float>();
   const int64_t row_bytes = weight.size(1);
   at::parallel_for(0, N, WEIGHT_TILE * 4, [&](int64_t begin, int64_t end) {
-    matmul_range(format, w, row_bytes, quantized, K, o, N, begin, end, use_simd);
+    matmul_range(format, w, row_bytes, quantized, o, N, begin, end, use_simd);
   });
   return out;
 }
