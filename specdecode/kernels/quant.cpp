@@ -63,7 +63,9 @@ inline float half_to_float(uint16_t h) {
 // Blocks are taken eight at a time (a group): the kernels turn a group's 8 x 32 weights around so that lane i of
 // an int32 vector only ever sums products of block i, and the activations are stored in the matching order; after
 // 16 integer multiply-adds the vector holds the group's 8 exact block sums, which are scaled with one convert and
-// one fused multiply-add (scales dw * dx as a vector of 8). A row's last group is padded with zero blocks.
+// one fused multiply-add (scales dw * dx as a vector of 8). A row's last, partial group (K = 576: 2 blocks after
+// 2 groups) keeps the natural order: its block sums are added up lane by lane and then scaled in the same way,
+// as a group whose missing blocks are zero.
 constexpr int64_t GROUP = 8;
 constexpr int64_t GROUP_VALUES = GROUP * QK;
 constexpr int64_t VECTORS = 16;  // int16 vectors of 16 values per group
@@ -88,8 +90,8 @@ inline int index_in_group(int64_t format, int k, int lane) {
 }
 
 // Rows of activations, quantized per block of 32: q [M, groups * 256] int16 (natural order, or the kernels' order
-// when `interleaved`), d [M, groups * 8] scales, s = d * (sum of the block's q), sum [M, groups * 8] int32 (the
-// same sum, for Q4_0's offset). Padding blocks are zero throughout.
+// for whole groups when `interleaved`), d [M, groups * 8] scales, s = d * (sum of the block's q), sum
+// [M, groups * 8] int32 (the same sum, for Q4_0's offset). Padding blocks are zero throughout.
 struct QuantRows {
   torch::Tensor q, d, s, sum;
   int64_t rows, blocks, groups;
@@ -139,7 +141,7 @@ QuantRows quantize_rows(const torch::Tensor& x, int64_t format, bool interleaved
         sums[at] = sum;
       }
       int16_t* dst = q + i * GROUP_VALUES;  // (rows are whole groups: group i of the flattened matrix)
-      if (interleaved) {
+      if (interleaved && (g + 1) * GROUP <= nb) {
         for (int p = 0; p < GROUP_VALUES; ++p) dst[p] = natural[order[p]];
       } else {
         std::memcpy(dst, natural, sizeof(natural));
@@ -262,12 +264,21 @@ inline __m256i unpack(const __m256i* t, int k) {
   }
 }
 
-// The 8 blocks' scales d (and offsets m, Q4_1) as floats: a block starts with fp16 d (then Q4_1's fp16 m).
+// The scales d (and offsets m, Q4_1) of `count` blocks as floats (0 past them): a block starts with fp16 d (then
+// Q4_1's fp16 m).
 template <int F>
-inline void group_scales(const uint8_t* blocks, __m256& d, __m256& m) {
+inline void group_scales(const uint8_t* blocks, __m256& d, __m256& m, int64_t count) {
   constexpr int B = static_cast<int>(BYTES<F>);
-  const __m256i starts = _mm256_setr_epi32(0, B, 2 * B, 3 * B, 4 * B, 5 * B, 6 * B, 7 * B);
-  __m256i dm = _mm256_i32gather_epi32(reinterpret_cast<const int*>(blocks), starts, 1);
+  const __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i starts = _mm256_mullo_epi32(index, _mm256_set1_epi32(B));
+  __m256i dm;
+  if (count == GROUP) {
+    dm = _mm256_i32gather_epi32(reinterpret_cast<const int*>(blocks), starts, 1);
+  } else {
+    const __m256i present = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count)), index);
+    dm = _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), reinterpret_cast<const int*>(blocks), starts, present,
+                                     1);
+  }
   const __m256i split = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
                                          0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
   dm = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(dm, split), 0xD8);  // [d0..d7 | m0..m7]
@@ -295,30 +306,58 @@ struct RowsView {
   int64_t q_stride, stride;  // values per row of q, and of d/s/sum
 };
 
+// The float step of group g for activation row r: acc + dw * dx * sums (+ m * s for Q4_1), 8 blocks at once.
+template <int F>
+inline __m256 scale_group(__m256 acc, __m256i sums, __m256 dw, __m256 mw, const RowsView& x, int r, int64_t g) {
+  const int64_t at = r * x.stride + g * GROUP;
+  if constexpr (F == Q4_0)  // the weights are q - 8
+    sums = _mm256_sub_epi32(sums, _mm256_slli_epi32(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.sum + at)), 3));
+  acc = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_loadu_ps(x.d + at)), _mm256_cvtepi32_ps(sums), acc);
+  if constexpr (F == Q4_1) acc = _mm256_fmadd_ps(mw, _mm256_loadu_ps(x.s + at), acc);
+  return acc;
+}
+
+// Block b's 32 weights as int16 in the natural order (lo: elements 0..15, hi: 16..31; 4-bit values unsigned).
+template <int F>
+inline void unpack_natural(const uint8_t* block, __m256i& lo, __m256i& hi) {
+  if constexpr (F == Q8_0) {
+    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + Q_OFFSET<F>));
+    lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(bytes));
+    hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(bytes, 1));
+  } else {
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + Q_OFFSET<F>));
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    lo = _mm256_cvtepu8_epi16(_mm_and_si128(packed, low4));
+    hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), low4));
+  }
+}
+
+// Eight vectors of 8 int32 lanes -> the vector of their 8 sums (exact).
+inline __m256i sum8(const __m256i* p) {
+  const __m256i a = _mm256_hadd_epi32(p[0], p[1]), b = _mm256_hadd_epi32(p[2], p[3]);
+  const __m256i c = _mm256_hadd_epi32(p[4], p[5]), e = _mm256_hadd_epi32(p[6], p[7]);
+  const __m256i lo = _mm256_hadd_epi32(a, b), hi = _mm256_hadd_epi32(c, e);  // [0..3 of each | 4..7 of each]
+  return _mm256_add_epi32(_mm256_permute2x128_si256(lo, hi, 0x20), _mm256_permute2x128_si256(lo, hi, 0x31));
+}
+
 // The outputs of WR weight rows (w, w + row_bytes, ...) for R activation rows: out[r * out_stride + j]. Every
 // (row, output) pair has its own accumulators and sees the same operations in the same order whatever WR and R
 // are: the tiles only decide what is loaded once and reused, never how a number is summed.
 template <int F, int WR, int R>
 void tile_avx2(const uint8_t* w, int64_t row_bytes, const RowsView& x, int64_t nb, float* out, int64_t out_stride) {
   constexpr int64_t B = BYTES<F>;
-  const int64_t ng = (nb + GROUP - 1) / GROUP;
   __m256 acc[WR][R];
   UNROLL for (int j = 0; j < WR; ++j)
     UNROLL for (int r = 0; r < R; ++r) acc[j][r] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < ng; ++g) {
+  const int64_t full = nb / GROUP, rest = nb % GROUP;
+  for (int64_t g = 0; g < full; ++g) {
     __m256i t[WR][DWORDS<F>];
     __m256 dw[WR], mw[WR];
-    alignas(32) uint8_t padded[WR][GROUP * B];  // a row's last, partial group, followed by zero blocks
     UNROLL for (int j = 0; j < WR; ++j) {
       const uint8_t* blocks = w + j * row_bytes + g * GROUP * B;
-      const int64_t count = std::min(GROUP, nb - g * GROUP);
-      if (count < GROUP) {
-        std::memset(padded[j], 0, sizeof(padded[j]));
-        std::memcpy(padded[j], blocks, count * B);
-        blocks = padded[j];
-      }
       transpose<F>(blocks + Q_OFFSET<F>, t[j]);
-      group_scales<F>(blocks, dw[j], mw[j]);
+      group_scales<F>(blocks, dw[j], mw[j], GROUP);
     }
     __m256i sums[WR][R];
     UNROLL for (int j = 0; j < WR; ++j)
@@ -330,16 +369,24 @@ void tile_avx2(const uint8_t* w, int64_t row_bytes, const RowsView& x, int64_t n
         UNROLL for (int r = 0; r < R; ++r) sums[j][r] = dot_add(sums[j][r], v, xq + r * x.q_stride + k * 16);
       }
     }
-    UNROLL for (int r = 0; r < R; ++r) {
-      const int64_t at = r * x.stride + g * GROUP;
-      const __m256 dx = _mm256_loadu_ps(x.d + at);
-      UNROLL for (int j = 0; j < WR; ++j) {
-        __m256i total = sums[j][r];
-        if constexpr (F == Q4_0)  // weights q - 8
-          total = _mm256_sub_epi32(total, _mm256_slli_epi32(
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.sum + at)), 3));
-        acc[j][r] = _mm256_fmadd_ps(_mm256_mul_ps(dw[j], dx), _mm256_cvtepi32_ps(total), acc[j][r]);
-        if constexpr (F == Q4_1) acc[j][r] = _mm256_fmadd_ps(mw[j], _mm256_loadu_ps(x.s + at), acc[j][r]);
+    UNROLL for (int r = 0; r < R; ++r)
+      UNROLL for (int j = 0; j < WR; ++j) acc[j][r] = scale_group<F>(acc[j][r], sums[j][r], dw[j], mw[j], x, r, g);
+  }
+  if (rest > 0) {  // the partial group, in the natural order
+    const int64_t g = full;
+    UNROLL for (int j = 0; j < WR; ++j) {
+      const uint8_t* blocks = w + j * row_bytes + g * GROUP * B;
+      __m256 dw, mw;
+      group_scales<F>(blocks, dw, mw, rest);
+      __m256i lo[GROUP - 1], hi[GROUP - 1];
+      for (int64_t b = 0; b < rest; ++b) unpack_natural<F>(blocks + b * B, lo[b], hi[b]);
+      UNROLL for (int r = 0; r < R; ++r) {
+        const int16_t* xq = x.q + r * x.q_stride + g * GROUP_VALUES;
+        __m256i lanes[GROUP];
+        UNROLL for (int b = 0; b < GROUP; ++b)
+          lanes[b] = b < rest ? dot_add(dot_add(_mm256_setzero_si256(), lo[b], xq + b * QK), hi[b], xq + b * QK + 16)
+                              : _mm256_setzero_si256();
+        acc[j][r] = scale_group<F>(acc[j][r], sum8(lanes), dw, mw, x, r, g);
       }
     }
   }
