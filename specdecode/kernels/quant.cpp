@@ -69,6 +69,7 @@ inline float half_to_float(uint16_t h) {
 constexpr int64_t GROUP = 8;
 constexpr int64_t GROUP_VALUES = GROUP * QK;
 constexpr int64_t VECTORS = 16;  // int16 vectors of 16 values per group
+constexpr int64_t PREPARED_VECTORS = VECTORS + 2;  // and a vector of the 8 scales, one of the 8 offsets
 
 // Where the kernels' layout puts the values of a group: vector k, lane l (2 lanes per block, block l / 2) holds
 // element index_in_group(k, l) (block * 32 + element). This follows from how the weights are unpacked below: a
@@ -264,6 +265,24 @@ inline __m256i unpack(const __m256i* t, int k) {
   }
 }
 
+#if defined(SPECDECODE_ZMM)
+// Vectors k and k + 1 of the group's weights as one 512-bit vector.
+template <int F>
+inline __m512i unpack_pair(const __m256i* t, int k) {
+  if constexpr (F == Q8_0) {
+    const __m512i v = _mm512_broadcast_i64x4(t[k / 2]);
+    const __m512i shift = _mm512_inserti64x4(_mm512_set1_epi16(8), _mm256_setzero_si256(), 1);
+    return _mm512_srai_epi16(_mm512_sllv_epi16(v, shift), 8);
+  } else {
+    const __m512i v = _mm512_broadcast_i64x4(t[k / 4]);
+    const int first = k % 4 == 0 ? 0 : 8;
+    const __m512i shift = _mm512_inserti64x4(_mm512_set1_epi16(static_cast<int16_t>(first)),
+                                             _mm256_set1_epi16(static_cast<int16_t>(first + 4)), 1);
+    return _mm512_and_si512(_mm512_srlv_epi16(v, shift), _mm512_set1_epi16(0x000F));
+  }
+}
+#endif
+
 // The scales d (and offsets m, Q4_1) of `count` blocks as floats (0 past them): a block starts with fp16 d (then
 // Q4_1's fp16 m).
 template <int F>
@@ -344,8 +363,10 @@ inline __m256i sum8(const __m256i* p) {
 // The outputs of WR weight rows (w, w + row_bytes, ...) for R activation rows: out[r * out_stride + j]. Every
 // (row, output) pair has its own accumulators and sees the same operations in the same order whatever WR and R
 // are: the tiles only decide what is loaded once and reused, never how a number is summed.
-template <int F, int WR, int R>
-void tile_avx2(const uint8_t* w, int64_t row_bytes, const RowsView& x, int64_t nb, float* out, int64_t out_stride) {
+// With `prepared` (PREPARED), the whole groups' unpacked weights come from there instead (see prepare()).
+template <int F, int WR, int R, bool PREPARED = false>
+void tile_avx2(const uint8_t* w, int64_t row_bytes, const RowsView& x, int64_t nb, float* out, int64_t out_stride,
+               const __m256i* prepared = nullptr) {
   constexpr int64_t B = BYTES<F>;
   __m256 acc[WR][R];
   UNROLL for (int j = 0; j < WR; ++j)
@@ -354,21 +375,44 @@ void tile_avx2(const uint8_t* w, int64_t row_bytes, const RowsView& x, int64_t n
   for (int64_t g = 0; g < full; ++g) {
     __m256i t[WR][DWORDS<F>];
     __m256 dw[WR], mw[WR];
+    const __m256i* ready[WR];
     UNROLL for (int j = 0; j < WR; ++j) {
-      const uint8_t* blocks = w + j * row_bytes + g * GROUP * B;
-      transpose<F>(blocks + Q_OFFSET<F>, t[j]);
-      group_scales<F>(blocks, dw[j], mw[j], GROUP);
+      if constexpr (PREPARED) {
+        ready[j] = prepared + (j * full + g) * PREPARED_VECTORS;
+        dw[j] = _mm256_castsi256_ps(ready[j][VECTORS]);
+        mw[j] = _mm256_castsi256_ps(ready[j][VECTORS + 1]);
+      } else {
+        const uint8_t* blocks = w + j * row_bytes + g * GROUP * B;
+        transpose<F>(blocks + Q_OFFSET<F>, t[j]);
+        group_scales<F>(blocks, dw[j], mw[j], GROUP);
+      }
     }
     __m256i sums[WR][R];
+    const int16_t* xq = x.q + g * GROUP_VALUES;
+#if defined(SPECDECODE_ZMM)
+    __m512i wide[WR][R];
+    UNROLL for (int j = 0; j < WR; ++j)
+      UNROLL for (int r = 0; r < R; ++r) wide[j][r] = _mm512_setzero_si512();
+    UNROLL for (int k = 0; k < VECTORS; k += 2) {
+      UNROLL for (int j = 0; j < WR; ++j) {
+        const __m512i v = PREPARED ? _mm512_loadu_si512(ready[j] + k) : unpack_pair<F>(t[j], k);
+        UNROLL for (int r = 0; r < R; ++r)
+          wide[j][r] = _mm512_dpwssd_epi32(wide[j][r], v, _mm512_loadu_si512(xq + r * x.q_stride + k * 16));
+      }
+    }
+    UNROLL for (int j = 0; j < WR; ++j)
+      UNROLL for (int r = 0; r < R; ++r)
+        sums[j][r] = _mm256_add_epi32(_mm512_castsi512_si256(wide[j][r]), _mm512_extracti64x4_epi64(wide[j][r], 1));
+#else
     UNROLL for (int j = 0; j < WR; ++j)
       UNROLL for (int r = 0; r < R; ++r) sums[j][r] = _mm256_setzero_si256();
-    const int16_t* xq = x.q + g * GROUP_VALUES;
     UNROLL for (int k = 0; k < VECTORS; ++k) {
       UNROLL for (int j = 0; j < WR; ++j) {
-        const __m256i v = unpack<F>(t[j], k);
+        const __m256i v = PREPARED ? _mm256_load_si256(ready[j] + k) : unpack<F>(t[j], k);
         UNROLL for (int r = 0; r < R; ++r) sums[j][r] = dot_add(sums[j][r], v, xq + r * x.q_stride + k * 16);
       }
     }
+#endif
     UNROLL for (int r = 0; r < R; ++r)
       UNROLL for (int j = 0; j < WR; ++j) acc[j][r] = scale_group<F>(acc[j][r], sums[j][r], dw[j], mw[j], x, r, g);
   }
@@ -394,6 +438,24 @@ void tile_avx2(const uint8_t* w, int64_t row_bytes, const RowsView& x, int64_t n
     UNROLL for (int r = 0; r < R; ++r) out[r * out_stride + j] = hsum(acc[j][r]);
 }
 
+// For products of many rows: `rows` weight rows' whole groups unpacked once, row after row, group after group:
+// the 16 int16 vectors of tile_avx2's layout, then d and m (PREPARED_VECTORS in all).
+template <int F>
+void prepare(const uint8_t* weight, int64_t row_bytes, int64_t rows, int64_t full, __m256i* out) {
+  for (int64_t j = 0; j < rows; ++j) {
+    for (int64_t g = 0; g < full; ++g) {
+      const uint8_t* blocks = weight + j * row_bytes + g * GROUP * BYTES<F>;
+      __m256i t[DWORDS<F>], *dst = out + (j * full + g) * PREPARED_VECTORS;
+      __m256 d, m;
+      transpose<F>(blocks + Q_OFFSET<F>, t);
+      group_scales<F>(blocks, d, m, GROUP);
+      UNROLL for (int k = 0; k < VECTORS; ++k) dst[k] = unpack<F>(t, k);
+      dst[VECTORS] = _mm256_castps_si256(d);
+      dst[VECTORS + 1] = _mm256_castps_si256(m);
+    }
+  }
+}
+
 // Weight rows [0, rows) against activation rows [m0, m0 + R): tiles of WR weight rows, then one at a time.
 template <int F, int WR, int R>
 void rows_avx2(const uint8_t* weight, int64_t row_bytes, int64_t rows, const RowsView& x, int64_t nb, float* out,
@@ -409,7 +471,13 @@ void rows_avx2(const uint8_t* weight, int64_t row_bytes, int64_t rows, const Row
 
 template <int F>
 void range_avx2(const uint8_t* weight, int64_t row_bytes, int64_t n_rows, const RowsView& x, int64_t nb,
-                int64_t rows, float* out, int64_t N) {
+                int64_t rows, float* out, int64_t N, const __m256i* prepared) {
+  if (prepared != nullptr && rows == 8) {
+    for (int64_t n = 0; n < n_rows; ++n)
+      tile_avx2<F, 1, 8, true>(weight + n * row_bytes, row_bytes, x, nb, out + n, N,
+                               prepared + n * (nb / GROUP) * PREPARED_VECTORS);
+    return;
+  }
 #define SPECDECODE_ROWS(WR, R) rows_avx2<F, WR, R>(weight, row_bytes, n_rows, x, nb, out, N)
   switch (rows) {  // weight rows per tile: as many as keep the accumulators in registers
     case 8: SPECDECODE_ROWS(1, 8); break;
@@ -429,6 +497,23 @@ void range_avx2(const uint8_t* weight, int64_t row_bytes, int64_t n_rows, const 
 constexpr int64_t ROW_TILE = 8;     // activation rows per pass over a weight row (their accumulators in registers)
 constexpr int64_t WEIGHT_TILE = 16;  // weight rows kept hot while every tile of activation rows passes over them
 
+#if defined(__AVX2__)
+// Weight rows [0, n_rows) of a chunk against every activation row, tile after tile of ROW_TILE rows; with more
+// rows than a tile, the chunk's whole groups are unpacked once into `unpacked` first.
+template <int F>
+void chunk_avx2(const uint8_t* chunk, int64_t row_bytes, int64_t n_rows, const QuantRows& x, float* out, int64_t N,
+                __m256i* unpacked) {
+  const int64_t M = x.rows, nb = x.blocks, q_stride = x.groups * GROUP_VALUES, stride = x.groups * GROUP;
+  if (unpacked != nullptr) prepare<F>(chunk, row_bytes, n_rows, nb / GROUP, unpacked);
+  for (int64_t m0 = 0; m0 < M; m0 += ROW_TILE) {
+    const RowsView view{x.q.data_ptr<int16_t>() + m0 * q_stride, x.d.data_ptr<float>() + m0 * stride,
+                        x.s.data_ptr<float>() + m0 * stride, x.sum.data_ptr<int32_t>() + m0 * stride, q_stride,
+                        stride};
+    range_avx2<F>(chunk, row_bytes, n_rows, view, nb, std::min(ROW_TILE, M - m0), out + m0 * N, N, unpacked);
+  }
+}
+#endif
+
 void matmul_range(int64_t format, const uint8_t* weight, int64_t row_bytes, const QuantRows& x, float* out,
                   int64_t N, int64_t n_begin, int64_t n_end, bool use_simd) {
   const int16_t* xq = x.q.data_ptr<int16_t>();
@@ -436,22 +521,26 @@ void matmul_range(int64_t format, const uint8_t* weight, int64_t row_bytes, cons
   const float* xs = x.s.data_ptr<float>();
   const int32_t* xsum = x.sum.data_ptr<int32_t>();
   const int64_t M = x.rows, nb = x.blocks, ng = x.groups, q_stride = ng * GROUP_VALUES, stride = ng * GROUP;
+#if defined(__AVX2__)
+  std::vector<__m256i> unpacked;
+#if !defined(SPECDECODE_NO_PREPARED)
+  if (use_simd && M > ROW_TILE) unpacked.resize(WEIGHT_TILE * (nb / GROUP) * PREPARED_VECTORS);
+#endif
+#endif
   for (int64_t n0 = n_begin; n0 < n_end; n0 += WEIGHT_TILE) {
     const int64_t n1 = std::min(n_end, n0 + WEIGHT_TILE);
     const uint8_t* chunk = weight + n0 * row_bytes;
+#if defined(__AVX2__)
+    if (use_simd) {
+      __m256i* buffer = unpacked.empty() ? nullptr : unpacked.data();
+      if (format == Q8_0) chunk_avx2<Q8_0>(chunk, row_bytes, n1 - n0, x, out + n0, N, buffer);
+      else if (format == Q4_0) chunk_avx2<Q4_0>(chunk, row_bytes, n1 - n0, x, out + n0, N, buffer);
+      else chunk_avx2<Q4_1>(chunk, row_bytes, n1 - n0, x, out + n0, N, buffer);
+      continue;
+    }
+#endif
     for (int64_t m0 = 0; m0 < M; m0 += ROW_TILE) {
       const int64_t rows = std::min(ROW_TILE, M - m0);
-#if defined(__AVX2__)
-      if (use_simd) {
-        const RowsView view{xq + m0 * q_stride, xd + m0 * stride, xs + m0 * stride, xsum + m0 * stride, q_stride,
-                            stride};
-        float* o = out + m0 * N + n0;
-        if (format == Q8_0) range_avx2<Q8_0>(chunk, row_bytes, n1 - n0, view, nb, rows, o, N);
-        else if (format == Q4_0) range_avx2<Q4_0>(chunk, row_bytes, n1 - n0, view, nb, rows, o, N);
-        else range_avx2<Q4_1>(chunk, row_bytes, n1 - n0, view, nb, rows, o, N);
-        continue;
-      }
-#endif
       for (int64_t n = n0; n < n1; ++n) {
         const uint8_t* w = weight + n * row_bytes;
         for (int64_t r = m0; r < m0 + rows; ++r)
