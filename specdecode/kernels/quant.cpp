@@ -90,9 +90,11 @@ inline int index_in_group(int64_t format, int k, int lane) {
   return block * QK + element;
 }
 
-// Rows of activations, quantized per block of 32: q [M, groups * 256] int16 (natural order, or the kernels' order
-// for whole groups when `interleaved`), d [M, groups * 8] scales, s = d * (sum of the block's q), sum
-// [M, groups * 8] int32 (the same sum, for Q4_0's offset). Padding blocks are zero throughout.
+// Rows of activations, quantized per block of 32: q [M, groups * 256] int16, d [M, groups * 8] scales,
+// s = d * (sum of the block's q), sum [M, groups * 8] int32 (the same sum, for Q4_0's offset); padding blocks are
+// zero throughout. For the kernels (`interleaved`), whole groups hold their values in the kernels' order and all
+// four are stored group-major, [groups, M, ...]: a tile of rows then reads one group of all its rows at fixed
+// offsets from one pointer.
 struct QuantRows {
   torch::Tensor q, d, s, sum;
   int64_t rows, blocks, groups;
@@ -118,7 +120,7 @@ QuantRows quantize_rows(const torch::Tensor& x, int64_t format, bool interleaved
     for (int64_t i = begin; i < end; ++i) {  // group g of row m
       const int64_t m = i / ng, g = i % ng;
       for (int64_t blk = 0; blk < GROUP; ++blk) {
-        const int64_t b = g * GROUP + blk, at = m * ng * GROUP + b;
+        const int64_t b = g * GROUP + blk, at = (interleaved ? g * M + m : m * ng + g) * GROUP + blk;
         int16_t* values = natural + blk * QK;
         if (b >= nb) {
           std::memset(values, 0, QK * sizeof(int16_t));
@@ -141,7 +143,7 @@ QuantRows quantize_rows(const torch::Tensor& x, int64_t format, bool interleaved
         s[at] = scale * static_cast<float>(sum);
         sums[at] = sum;
       }
-      int16_t* dst = q + i * GROUP_VALUES;  // (rows are whole groups: group i of the flattened matrix)
+      int16_t* dst = q + (interleaved ? g * M + m : i) * GROUP_VALUES;
       if (interleaved && (g + 1) * GROUP <= nb) {
         for (int p = 0; p < GROUP_VALUES; ++p) dst[p] = natural[order[p]];
       } else {
@@ -265,24 +267,6 @@ inline __m256i unpack(const __m256i* t, int k) {
   }
 }
 
-#if defined(SPECDECODE_ZMM)
-// Vectors k and k + 1 of the group's weights as one 512-bit vector.
-template <int F>
-inline __m512i unpack_pair(const __m256i* t, int k) {
-  if constexpr (F == Q8_0) {
-    const __m512i v = _mm512_broadcast_i64x4(t[k / 2]);
-    const __m512i shift = _mm512_inserti64x4(_mm512_set1_epi16(8), _mm256_setzero_si256(), 1);
-    return _mm512_srai_epi16(_mm512_sllv_epi16(v, shift), 8);
-  } else {
-    const __m512i v = _mm512_broadcast_i64x4(t[k / 4]);
-    const int first = k % 4 == 0 ? 0 : 8;
-    const __m512i shift = _mm512_inserti64x4(_mm512_set1_epi16(static_cast<int16_t>(first)),
-                                             _mm256_set1_epi16(static_cast<int16_t>(first + 4)), 1);
-    return _mm512_and_si512(_mm512_srlv_epi16(v, shift), _mm512_set1_epi16(0x000F));
-  }
-}
-#endif
-
 // The scales d (and offsets m, Q4_1) of `count` blocks as floats (0 past them): a block starts with fp16 d (then
 // Q4_1's fp16 m).
 template <int F>
@@ -322,13 +306,13 @@ struct RowsView {
   const int16_t* q;
   const float *d, *s;
   const int32_t* sum;
-  int64_t q_stride, stride;  // values per row of q, and of d/s/sum
+  int64_t q_group, group;  // from one group to the next: values of q, of d/s/sum (rows are 256 and 8 apart)
 };
 
 // The float step of group g for activation row r: acc + dw * dx * sums (+ m * s for Q4_1), 8 blocks at once.
 template <int F>
 inline __m256 scale_group(__m256 acc, __m256i sums, __m256 dw, __m256 mw, const RowsView& x, int r, int64_t g) {
-  const int64_t at = r * x.stride + g * GROUP;
+  const int64_t at = g * x.group + r * GROUP;
   if constexpr (F == Q4_0)  // the weights are q - 8
     sums = _mm256_sub_epi32(sums, _mm256_slli_epi32(
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.sum + at)), 3));
@@ -387,32 +371,27 @@ void tile_avx2(const uint8_t* w, int64_t row_bytes, const RowsView& x, int64_t n
         group_scales<F>(blocks, dw[j], mw[j], GROUP);
       }
     }
-    __m256i sums[WR][R];
-    const int16_t* xq = x.q + g * GROUP_VALUES;
-#if defined(SPECDECODE_ZMM)
-    __m512i wide[WR][R];
-    UNROLL for (int j = 0; j < WR; ++j)
-      UNROLL for (int r = 0; r < R; ++r) wide[j][r] = _mm512_setzero_si512();
-    UNROLL for (int k = 0; k < VECTORS; k += 2) {
-      UNROLL for (int j = 0; j < WR; ++j) {
-        const __m512i v = PREPARED ? _mm512_loadu_si512(ready[j] + k) : unpack_pair<F>(t[j], k);
-        UNROLL for (int r = 0; r < R; ++r)
-          wide[j][r] = _mm512_dpwssd_epi32(wide[j][r], v, _mm512_loadu_si512(xq + r * x.q_stride + k * 16));
-      }
-    }
+    // CHAINS integer accumulators per (row, output), so that enough multiply-adds are in flight (latency 4-5)
+    constexpr int CHAINS = WR * R >= 8 ? 1 : WR * R >= 4 ? 2 : 4;
+    __m256i sums[WR][R], chain[WR][R][CHAINS];
+    const int16_t* xq = x.q + g * x.q_group;
     UNROLL for (int j = 0; j < WR; ++j)
       UNROLL for (int r = 0; r < R; ++r)
-        sums[j][r] = _mm256_add_epi32(_mm512_castsi512_si256(wide[j][r]), _mm512_extracti64x4_epi64(wide[j][r], 1));
-#else
-    UNROLL for (int j = 0; j < WR; ++j)
-      UNROLL for (int r = 0; r < R; ++r) sums[j][r] = _mm256_setzero_si256();
+        UNROLL for (int c = 0; c < CHAINS; ++c) chain[j][r][c] = _mm256_setzero_si256();
     UNROLL for (int k = 0; k < VECTORS; ++k) {
       UNROLL for (int j = 0; j < WR; ++j) {
         const __m256i v = PREPARED ? _mm256_load_si256(ready[j] + k) : unpack<F>(t[j], k);
-        UNROLL for (int r = 0; r < R; ++r) sums[j][r] = dot_add(sums[j][r], v, xq + r * x.q_stride + k * 16);
+        UNROLL for (int r = 0; r < R; ++r) {
+          __m256i& sum = chain[j][r][k % CHAINS];
+          sum = dot_add(sum, v, xq + r * GROUP_VALUES + k * 16);
+        }
       }
     }
-#endif
+    UNROLL for (int j = 0; j < WR; ++j)
+      UNROLL for (int r = 0; r < R; ++r) {
+        sums[j][r] = chain[j][r][0];
+        UNROLL for (int c = 1; c < CHAINS; ++c) sums[j][r] = _mm256_add_epi32(sums[j][r], chain[j][r][c]);
+      }
     UNROLL for (int r = 0; r < R; ++r)
       UNROLL for (int j = 0; j < WR; ++j) acc[j][r] = scale_group<F>(acc[j][r], sums[j][r], dw[j], mw[j], x, r, g);
   }
@@ -425,7 +404,7 @@ void tile_avx2(const uint8_t* w, int64_t row_bytes, const RowsView& x, int64_t n
       __m256i lo[GROUP - 1], hi[GROUP - 1];
       for (int64_t b = 0; b < rest; ++b) unpack_natural<F>(blocks + b * B, lo[b], hi[b]);
       UNROLL for (int r = 0; r < R; ++r) {
-        const int16_t* xq = x.q + r * x.q_stride + g * GROUP_VALUES;
+        const int16_t* xq = x.q + g * x.q_group + r * GROUP_VALUES;
         __m256i lanes[GROUP];
         UNROLL for (int b = 0; b < GROUP; ++b)
           lanes[b] = b < rest ? dot_add(dot_add(_mm256_setzero_si256(), lo[b], xq + b * QK), hi[b], xq + b * QK + 16)
@@ -503,12 +482,12 @@ constexpr int64_t WEIGHT_TILE = 16;  // weight rows kept hot while every tile of
 template <int F>
 void chunk_avx2(const uint8_t* chunk, int64_t row_bytes, int64_t n_rows, const QuantRows& x, float* out, int64_t N,
                 __m256i* unpacked) {
-  const int64_t M = x.rows, nb = x.blocks, q_stride = x.groups * GROUP_VALUES, stride = x.groups * GROUP;
+  const int64_t M = x.rows, nb = x.blocks;
   if (unpacked != nullptr) prepare<F>(chunk, row_bytes, n_rows, nb / GROUP, unpacked);
   for (int64_t m0 = 0; m0 < M; m0 += ROW_TILE) {
-    const RowsView view{x.q.data_ptr<int16_t>() + m0 * q_stride, x.d.data_ptr<float>() + m0 * stride,
-                        x.s.data_ptr<float>() + m0 * stride, x.sum.data_ptr<int32_t>() + m0 * stride, q_stride,
-                        stride};
+    const RowsView view{x.q.data_ptr<int16_t>() + m0 * GROUP_VALUES, x.d.data_ptr<float>() + m0 * GROUP,
+                        x.s.data_ptr<float>() + m0 * GROUP, x.sum.data_ptr<int32_t>() + m0 * GROUP,
+                        M * GROUP_VALUES, M * GROUP};
     range_avx2<F>(chunk, row_bytes, n_rows, view, nb, std::min(ROW_TILE, M - m0), out + m0 * N, N, unpacked);
   }
 }
