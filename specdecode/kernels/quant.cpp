@@ -69,7 +69,6 @@ inline float half_to_float(uint16_t h) {
 constexpr int64_t GROUP = 8;
 constexpr int64_t GROUP_VALUES = GROUP * QK;
 constexpr int64_t VECTORS = 16;  // int16 vectors of 16 values per group
-constexpr int64_t PREPARED_VECTORS = VECTORS + 2;  // and a vector of the 8 scales, one of the 8 offsets
 
 // Where the kernels' layout puts the values of a group: vector k, lane l (2 lanes per block, block l / 2) holds
 // element index_in_group(k, l) (block * 32 + element). This follows from how the weights are unpacked below: a
@@ -347,10 +346,8 @@ inline __m256i sum8(const __m256i* p) {
 // The outputs of WR weight rows (w, w + row_bytes, ...) for R activation rows: out[r * out_stride + j]. Every
 // (row, output) pair has its own accumulators and sees the same operations in the same order whatever WR and R
 // are: the tiles only decide what is loaded once and reused, never how a number is summed.
-// With `prepared` (PREPARED), the whole groups' unpacked weights come from there instead (see prepare()).
-template <int F, int WR, int R, bool PREPARED = false>
-void tile_avx2(const uint8_t* w, int64_t row_bytes, const RowsView& x, int64_t nb, float* out, int64_t out_stride,
-               const __m256i* prepared = nullptr) {
+template <int F, int WR, int R>
+void tile_avx2(const uint8_t* w, int64_t row_bytes, const RowsView& x, int64_t nb, float* out, int64_t out_stride) {
   constexpr int64_t B = BYTES<F>;
   __m256 acc[WR][R];
   UNROLL for (int j = 0; j < WR; ++j)
@@ -359,39 +356,21 @@ void tile_avx2(const uint8_t* w, int64_t row_bytes, const RowsView& x, int64_t n
   for (int64_t g = 0; g < full; ++g) {
     __m256i t[WR][DWORDS<F>];
     __m256 dw[WR], mw[WR];
-    const __m256i* ready[WR];
     UNROLL for (int j = 0; j < WR; ++j) {
-      if constexpr (PREPARED) {
-        ready[j] = prepared + (j * full + g) * PREPARED_VECTORS;
-        dw[j] = _mm256_castsi256_ps(ready[j][VECTORS]);
-        mw[j] = _mm256_castsi256_ps(ready[j][VECTORS + 1]);
-      } else {
-        const uint8_t* blocks = w + j * row_bytes + g * GROUP * B;
-        transpose<F>(blocks + Q_OFFSET<F>, t[j]);
-        group_scales<F>(blocks, dw[j], mw[j], GROUP);
-      }
+      const uint8_t* blocks = w + j * row_bytes + g * GROUP * B;
+      transpose<F>(blocks + Q_OFFSET<F>, t[j]);
+      group_scales<F>(blocks, dw[j], mw[j], GROUP);
     }
-    // CHAINS integer accumulators per (row, output), so that enough multiply-adds are in flight (latency 4-5)
-    constexpr int CHAINS = WR * R >= 8 ? 1 : WR * R >= 4 ? 2 : 4;
-    __m256i sums[WR][R], chain[WR][R][CHAINS];
+    __m256i sums[WR][R];
     const int16_t* xq = x.q + g * x.q_group;
     UNROLL for (int j = 0; j < WR; ++j)
-      UNROLL for (int r = 0; r < R; ++r)
-        UNROLL for (int c = 0; c < CHAINS; ++c) chain[j][r][c] = _mm256_setzero_si256();
+      UNROLL for (int r = 0; r < R; ++r) sums[j][r] = _mm256_setzero_si256();
     UNROLL for (int k = 0; k < VECTORS; ++k) {
       UNROLL for (int j = 0; j < WR; ++j) {
-        const __m256i v = PREPARED ? _mm256_load_si256(ready[j] + k) : unpack<F>(t[j], k);
-        UNROLL for (int r = 0; r < R; ++r) {
-          __m256i& sum = chain[j][r][k % CHAINS];
-          sum = dot_add(sum, v, xq + r * GROUP_VALUES + k * 16);
-        }
+        const __m256i v = unpack<F>(t[j], k);
+        UNROLL for (int r = 0; r < R; ++r) sums[j][r] = dot_add(sums[j][r], v, xq + r * GROUP_VALUES + k * 16);
       }
     }
-    UNROLL for (int j = 0; j < WR; ++j)
-      UNROLL for (int r = 0; r < R; ++r) {
-        sums[j][r] = chain[j][r][0];
-        UNROLL for (int c = 1; c < CHAINS; ++c) sums[j][r] = _mm256_add_epi32(sums[j][r], chain[j][r][c]);
-      }
     UNROLL for (int r = 0; r < R; ++r)
       UNROLL for (int j = 0; j < WR; ++j) acc[j][r] = scale_group<F>(acc[j][r], sums[j][r], dw[j], mw[j], x, r, g);
   }
@@ -417,24 +396,6 @@ void tile_avx2(const uint8_t* w, int64_t row_bytes, const RowsView& x, int64_t n
     UNROLL for (int r = 0; r < R; ++r) out[r * out_stride + j] = hsum(acc[j][r]);
 }
 
-// For products of many rows: `rows` weight rows' whole groups unpacked once, row after row, group after group:
-// the 16 int16 vectors of tile_avx2's layout, then d and m (PREPARED_VECTORS in all).
-template <int F>
-void prepare(const uint8_t* weight, int64_t row_bytes, int64_t rows, int64_t full, __m256i* out) {
-  for (int64_t j = 0; j < rows; ++j) {
-    for (int64_t g = 0; g < full; ++g) {
-      const uint8_t* blocks = weight + j * row_bytes + g * GROUP * BYTES<F>;
-      __m256i t[DWORDS<F>], *dst = out + (j * full + g) * PREPARED_VECTORS;
-      __m256 d, m;
-      transpose<F>(blocks + Q_OFFSET<F>, t);
-      group_scales<F>(blocks, d, m, GROUP);
-      UNROLL for (int k = 0; k < VECTORS; ++k) dst[k] = unpack<F>(t, k);
-      dst[VECTORS] = _mm256_castps_si256(d);
-      dst[VECTORS + 1] = _mm256_castps_si256(m);
-    }
-  }
-}
-
 // Weight rows [0, rows) against activation rows [m0, m0 + R): tiles of WR weight rows, then one at a time.
 template <int F, int WR, int R>
 void rows_avx2(const uint8_t* weight, int64_t row_bytes, int64_t rows, const RowsView& x, int64_t nb, float* out,
@@ -450,13 +411,7 @@ void rows_avx2(const uint8_t* weight, int64_t row_bytes, int64_t rows, const Row
 
 template <int F>
 void range_avx2(const uint8_t* weight, int64_t row_bytes, int64_t n_rows, const RowsView& x, int64_t nb,
-                int64_t rows, float* out, int64_t N, const __m256i* prepared) {
-  if (prepared != nullptr && rows == 8) {
-    for (int64_t n = 0; n < n_rows; ++n)
-      tile_avx2<F, 1, 8, true>(weight + n * row_bytes, row_bytes, x, nb, out + n, N,
-                               prepared + n * (nb / GROUP) * PREPARED_VECTORS);
-    return;
-  }
+                int64_t rows, float* out, int64_t N) {
 #define SPECDECODE_ROWS(WR, R) rows_avx2<F, WR, R>(weight, row_bytes, n_rows, x, nb, out, N)
   switch (rows) {  // weight rows per tile: as many as keep the accumulators in registers
     case 8: SPECDECODE_ROWS(1, 8); break;
@@ -477,18 +432,17 @@ constexpr int64_t ROW_TILE = 8;     // activation rows per pass over a weight ro
 constexpr int64_t WEIGHT_TILE = 16;  // weight rows kept hot while every tile of activation rows passes over them
 
 #if defined(__AVX2__)
-// Weight rows [0, n_rows) of a chunk against every activation row, tile after tile of ROW_TILE rows; with more
-// rows than a tile, the chunk's whole groups are unpacked once into `unpacked` first.
+// Weight rows [0, n_rows) of a chunk against every activation row, tile after tile of ROW_TILE rows. (Unpacking
+// a chunk's weights once for all tiles was tried: no faster, the loads cost what the unpacking saved.)
 template <int F>
-void chunk_avx2(const uint8_t* chunk, int64_t row_bytes, int64_t n_rows, const QuantRows& x, float* out, int64_t N,
-                __m256i* unpacked) {
+void chunk_avx2(const uint8_t* chunk, int64_t row_bytes, int64_t n_rows, const QuantRows& x, float* out,
+                int64_t N) {
   const int64_t M = x.rows, nb = x.blocks;
-  if (unpacked != nullptr) prepare<F>(chunk, row_bytes, n_rows, nb / GROUP, unpacked);
   for (int64_t m0 = 0; m0 < M; m0 += ROW_TILE) {
     const RowsView view{x.q.data_ptr<int16_t>() + m0 * GROUP_VALUES, x.d.data_ptr<float>() + m0 * GROUP,
                         x.s.data_ptr<float>() + m0 * GROUP, x.sum.data_ptr<int32_t>() + m0 * GROUP,
                         M * GROUP_VALUES, M * GROUP};
-    range_avx2<F>(chunk, row_bytes, n_rows, view, nb, std::min(ROW_TILE, M - m0), out + m0 * N, N, unpacked);
+    range_avx2<F>(chunk, row_bytes, n_rows, view, nb, std::min(ROW_TILE, M - m0), out + m0 * N, N);
   }
 }
 #endif
@@ -500,21 +454,14 @@ void matmul_range(int64_t format, const uint8_t* weight, int64_t row_bytes, cons
   const float* xs = x.s.data_ptr<float>();
   const int32_t* xsum = x.sum.data_ptr<int32_t>();
   const int64_t M = x.rows, nb = x.blocks, ng = x.groups, q_stride = ng * GROUP_VALUES, stride = ng * GROUP;
-#if defined(__AVX2__)
-  std::vector<__m256i> unpacked;
-#if !defined(SPECDECODE_NO_PREPARED)
-  if (use_simd && M > ROW_TILE) unpacked.resize(WEIGHT_TILE * (nb / GROUP) * PREPARED_VECTORS);
-#endif
-#endif
   for (int64_t n0 = n_begin; n0 < n_end; n0 += WEIGHT_TILE) {
     const int64_t n1 = std::min(n_end, n0 + WEIGHT_TILE);
     const uint8_t* chunk = weight + n0 * row_bytes;
 #if defined(__AVX2__)
     if (use_simd) {
-      __m256i* buffer = unpacked.empty() ? nullptr : unpacked.data();
-      if (format == Q8_0) chunk_avx2<Q8_0>(chunk, row_bytes, n1 - n0, x, out + n0, N, buffer);
-      else if (format == Q4_0) chunk_avx2<Q4_0>(chunk, row_bytes, n1 - n0, x, out + n0, N, buffer);
-      else chunk_avx2<Q4_1>(chunk, row_bytes, n1 - n0, x, out + n0, N, buffer);
+      if (format == Q8_0) chunk_avx2<Q8_0>(chunk, row_bytes, n1 - n0, x, out + n0, N);
+      else if (format == Q4_0) chunk_avx2<Q4_0>(chunk, row_bytes, n1 - n0, x, out + n0, N);
+      else chunk_avx2<Q4_1>(chunk, row_bytes, n1 - n0, x, out + n0, N);
       continue;
     }
 #endif
@@ -615,7 +562,9 @@ bool has_simd() {
 }
 
 std::string instruction_set() {
-#if defined(__AVX2__)
+#if defined(__AVX2__) && ((defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__))
+  return "avx2+vnni";  // 256-bit vectors, vpdpwssd for the integer multiply-adds
+#elif defined(__AVX2__)
   return "avx2";
 #else
   return "scalar";
