@@ -7,17 +7,37 @@
 // In a 4-bit block, byte j holds element j in its low nibble and element j + 16 in its high nibble.
 //
 // Activations are quantized per row and per block of 32 to int16 with a float scale (d = max|x| / 32767) and the
-// block's sum (for Q4_1's offset); a block's dot product is then an integer one (AVX2: two vpmaddwd) scaled once.
+// block's sum (for Q4_1's offset); a block's dot product is then an exact integer one, scaled once.
 // llama.cpp rounds activations to int8 instead (d = max|x| / 127, one vpmaddubsw): 256 times coarser, which on
 // SmolLM2 moved logits by up to 6% of the largest and changed greedy answers against the dequantised model (its
 // answer to "What is the capital of France?" is not Paris); with int16 SmolLM2's logits stay within 0.01 (of 37.6)
 // of the dequantised float32 model's, for ~1/3 more arithmetic per row and the same weight bytes (measured end to
 // end on SmolLM2, AVX2: int8 activations decoded -2% to +14% faster; not worth the changed answers).
 //
+// The kernels take blocks eight at a time (a group, see GROUP below): the 8 blocks' weights are turned around so
+// that int32 lane i only ever sums products of block i (the activations are stored in the matching order), so 16
+// multiply-adds (vpdpwssd with VNNI, else vpmaddwd + vpaddd) leave the group's 8 exact block sums in one vector,
+// scaled by one convert and one fused multiply-add with the 8 scales dw * dx, instead of a convert, a broadcast
+// and a multiply-add per block. Tiles of WR weight rows x R activation rows share the unpacked weights and the
+// loaded activations.
+//
+// Speed (SmolLM2-135M Q4_1, all 121 products: 134.5 M MACs, 96.4 MB; 2-core AMD EPYC Zen 4, 1 thread, CPU clock,
+// fastest of 7 rounds alternating with the previous per-block kernels in one process; docs/bench/speed_kernels.md):
+//   M rows               1      4      8     16     32    256
+//   per-block, GMAC/s  11.0   21.9   25.6   28.2   26.7   25.4
+//   groups, GMAC/s     11.7   33.8   40.2   40.0   41.1   36.6
+// A cached forward after 300 tokens: 1 token 12.7 -> 11.8 ms, 4: 27.2 -> 19.9, 8: 48.3 -> 34.0, 16: 94.4 -> 68.3.
+// One row is 1.1x (Q8_0) to 1.8x (Q4_1) faster per matrix with the weights in cache, but the whole model at
+// M = 1 is held by streaming 96 MB from memory with one core (8.4 GB/s). Tried and slower here: 512-bit vectors,
+// unpacking a chunk of weights once for all row tiles, split integer accumulators, scalar loads in place of the
+// scales' gather (equal). Measured with `python benchmarks/quant_kernels.py --model FILE.gguf --against OLD.so`.
+//
 // Batch invariance: the number for (row m, output n) is computed by the same sequence of operations whatever
 // the number of rows M and however rows are tiled or threads split the outputs (each (m, n) has its own
-// accumulator, blocks are summed in order, the horizontal sum is fixed; the file is compiled with
-// -ffp-contract=off). So a token's logits do not depend on what else shares its pass.
+// accumulators; the integer block sums are exact however they are formed; block b's scaled sum goes to lane b % 8
+// of 8 float accumulators, groups in order, and the lanes are summed in a fixed order, by every path including
+// the scalar reference; the file is compiled with -ffp-contract=off). So a token's logits do not depend on what
+// else shares its pass, and the SIMD and scalar paths agree bit for bit.
 #include "quant.h"
 
 #include <ATen/Parallel.h>
@@ -25,7 +45,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <vector>
 
 #if defined(__AVX2__)
 #include <immintrin.h>
