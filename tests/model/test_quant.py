@@ -57,20 +57,36 @@ def test_dequantize_equals_gguf():
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_a_rows_result_does_not_depend_on_the_other_rows(fmt):
-    """Bitwise: row i of a product over M rows equals the product of row i alone, for every M (tiles of 8 rows,
-    remainders of every size) and with two threads splitting the outputs."""
+    """Bitwise: row i of a product over M rows equals the product of row i alone, for every M from 1 to 40 (tiles
+    of 1 to 8 rows and every remainder), with one or two threads splitting the outputs, among rows of other sizes;
+    and it equals the scalar reference bit for bit (the float steps are the same fixed ones on every path)."""
     torch.manual_seed(1)
-    q = quantize(torch.randn(300, 128) * 0.1, fmt)
-    x = torch.randn(21, 128)
-    alone = torch.cat([kernels().qmatmul(x[i:i + 1], q, FORMATS[fmt], True) for i in range(21)])
+    K = 19 * 32  # two whole groups of 8 blocks and a partial one
+    q = quantize(torch.randn(301, K) * 0.1, fmt)
+    x = torch.randn(40, K)
+    alone = torch.cat([kernels().qmatmul(x[i:i + 1], q, FORMATS[fmt], True) for i in range(40)])
+    assert torch.equal(alone, kernels().qmatmul(x, q, FORMATS[fmt], False))
     threads = torch.get_num_threads()
     try:
         for n_threads in (1, 2):
             torch.set_num_threads(n_threads)
-            for m in (2, 3, 8, 9, 16, 21):
-                assert torch.equal(kernels().qmatmul(x[:m], q, FORMATS[fmt], True), alone[:m])
+            for m in range(1, 41):
+                assert torch.equal(kernels().qmatmul(x[:m], q, FORMATS[fmt], True), alone[:m]), (n_threads, m)
+            for m in (5, 8, 9, 33):  # row 0 among rows a hundred times larger
+                batch = torch.cat([x[:1], torch.randn(m - 1, K) * 100])
+                assert torch.equal(kernels().qmatmul(batch, q, FORMATS[fmt], True)[0], alone[0]), (n_threads, m)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("blocks", [1, 2, 7, 8, 9, 16, 18, 48])
+def test_every_row_length(fmt, blocks):
+    """Rows of whole groups of 8 blocks, a partial group, or both: the kernels equal the scalar reference bitwise."""
+    torch.manual_seed(blocks)
+    q = quantize(torch.randn(45, blocks * 32) * 0.1, fmt)
+    x = torch.randn(11, blocks * 32)
+    assert torch.equal(kernels().qmatmul(x, q, FORMATS[fmt], True), kernels().qmatmul(x, q, FORMATS[fmt], False))
 
 
 def test_bad_weights_are_refused():
