@@ -236,7 +236,8 @@ def register(sub) -> None:
     p.add_argument("--tokens", type=POSITIVE, default=5_000_000, help="answer tokens to reach")
     p.add_argument("--batch", type=POSITIVE, default=32, help="sequences decoded at once")
     p.add_argument("--max-tokens", type=POSITIVE, default=256, help="longest answer")
-    p.add_argument("--max-prompt-tokens", type=POSITIVE, default=1024, help="longer prompts are skipped")
+    p.add_argument("--max-prompt-tokens", type=POSITIVE, default=None,
+                   help="longer prompts are skipped (default: the corpus version's, 512)")
     p.add_argument("--model", default=None, help="target (default: the named default model)")
     _threads_arg(p)
     p.set_defaults(func=cmd_corpus)

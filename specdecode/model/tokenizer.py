@@ -111,21 +111,27 @@ class Tokenizer:
         if not self.chat_template:
             lines = [f"{m['role']}: {m['content']}" for m in messages]
             return "\n".join(lines) + ("\nassistant:" if add_generation_prompt else "")
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        # A checkpoint's template is untrusted code: sandboxed, it cannot reach Python objects' internals (as
-        # refusing pickled weights would be pointless otherwise). raise_exception is what HF templates call.
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
-        env.globals["raise_exception"] = _raise_template_error
-        env.filters["tojson"] = _tojson
-        return env.from_string(self.chat_template).render(
+        return _compiled_template(self.chat_template).render(
             messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
             bos_token=self.bos_token or "", eos_token=self.eos_token or "")
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a conversation rendered with the chat template (which writes any BOS itself)."""
         return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled_template(source: str):
+    """A chat template compiled once (compiling SmolLM2's costs 3.8 ms, ~13x a render and encode)."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    # A checkpoint's template is untrusted code: sandboxed, it cannot reach Python objects' internals (as
+    # refusing pickled weights would be pointless otherwise). raise_exception is what HF templates call.
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])
+    env.globals["raise_exception"] = _raise_template_error
+    env.filters["tojson"] = _tojson
+    return env.from_string(source)
 
 
 @functools.cache

@@ -55,3 +55,10 @@ def _plan_inputs(model, conversations):
 
     train, _ = sharegpt.split(sharegpt.load_conversations(conversations))
     return train, Tokenizer(model), 200
+
+
+def test_cli_default_prompt_length_is_the_versions(capsys):
+    from specdecode.cli.main import main
+
+    main(["train", "corpus", "--help"])  # (main returns argparse's exit status)
+    assert f"default: the corpus version's, {corpus.MAX_PROMPT_TOKENS})" in " ".join(capsys.readouterr().out.split())
