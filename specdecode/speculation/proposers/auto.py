@@ -120,6 +120,12 @@ class AutoProposer(WithoutDraftCache):
         for seq in seqs:
             self.request_rates[seq.request_id] = Rates(len(self.sources), self.max_depth, 0.0, 0.0)
 
+    def forget_finished(self) -> None:
+        """What the sources remember of finished requests is dropped (the learned rates stay)."""
+        for source in self.sources:
+            if hasattr(source, "forget_finished"):
+                source.forget_finished()
+
     def remove(self, seq) -> None:
         for source in self.sources:
             source.remove(seq)

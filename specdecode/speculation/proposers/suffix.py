@@ -207,9 +207,10 @@ class SuffixTree:
         self.finished_tokens += len(request.tokens)
         self.evict()
 
-    def evict(self) -> None:
-        """Forget the oldest finished requests until those left hold at most max_tokens tokens."""
-        while self.finished_tokens > self.max_tokens and self.finished:
+    def evict(self, keep: int | None = None) -> None:
+        """Forget the oldest finished requests until those left hold at most `keep` (default max_tokens) tokens."""
+        keep = self.max_tokens if keep is None else keep
+        while self.finished_tokens > keep and self.finished:
             _, request = self.finished.popitem(last=False)
             self.finished_tokens -= len(request.tokens)
             self._remove(request.tokens)
@@ -332,6 +333,11 @@ class SuffixProposer(WithoutDraftCache):
     def add(self, seqs) -> None:
         for seq in seqs:
             self.tree.add(seq.request_id, seq.token_ids)
+
+    def forget_finished(self) -> None:
+        """Drop what finished requests wrote (benchmarks that repeat the same prompts call it between runs, so
+        that a run is not served the answers of the one before)."""
+        self.tree.evict(keep=0)
 
     def remove(self, seq) -> None:
         self.tree.finish(seq.request_id)
