@@ -48,4 +48,5 @@ def make_controller(target, proposer, config: SpeculativeConfig, max_num_seqs: i
     controller = SpecController(costs, config.max_depth, config.nodes_per_level, widths=config.pass_widths)
     if hasattr(proposer, "bind_costs"):  # a proposer that shapes its trees by the measured pass costs (auto)
         proposer.bind_costs(costs)
+        controller.delegated = True
     return controller

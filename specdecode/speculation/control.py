@@ -44,6 +44,11 @@ class SpecController:
         self.prior_acceptance = prior_acceptance
         self.fixed_k: int | None = None
         """Set to always draft this many levels (benchmarks of fixed K); costs are still measured."""
+        self.delegated = False
+        """Set when the proposer values its own nodes and trims its trees by these same costs (auto): then every
+        step offers it the whole budget. Its estimates are per source and match length, which separate a sure guess
+        from an unsure one; this controller's per-level rates, one per request, cannot (at batch 1 they held auto
+        to one node a step, 0.86x the best fixed budget)."""
         self.min_evidence = 8.0
         """Tokens of a request's recent drafting steps needed before their realised speed can throttle it."""
         self.reset_acceptance()
@@ -131,6 +136,8 @@ class SpecController:
         speculating = [s for s in seqs if s.params.use_speculation]
         if not speculating:
             return 0
+        if self.delegated:  # (unless even guesses sure to be accepted would not pay at this batch size)
+            return self.max_k if self.best_k(len(seqs), [[1.0] * self.max_k] * len(speculating))[0] else 0
         rates = [self.rates(s.request_id, prior) for s in speculating if not self.losing(s.request_id, len(seqs))]
         k = self.best_k(len(seqs), rates)[0] if rates else 0
         if k == 0 and self.steps_since_draft >= self.probe_interval:

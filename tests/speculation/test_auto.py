@@ -158,6 +158,22 @@ def test_greedy_is_exact_and_sources_are_counted(tiny_models, plain_answers, bat
     assert counts["suffix"][1] > 0, counts  # repeated answers are drafted across requests
 
 
+def test_adaptive_auto_shapes_its_own_trees_and_stays_exact(tiny_models, plain_answers):
+    """With the controller on, auto is offered the whole budget every step and trims by the measured pass costs
+    itself (a controller choosing K from per-level rates would cut it first); prompt lookup alone keeps K chosen
+    by the controller."""
+    prompts, greedy, plain = plain_answers
+    llm = LLM(str(tiny_models["target"]), dtype="float32", max_num_seqs=2,
+              speculative_config={"method": "auto", "num_speculative_tokens": 4, "adaptive": True})
+    assert llm.controller.delegated and llm.proposer.costs is llm.controller.costs
+    for prompt, want, got in zip(prompts, plain, llm.generate(prompts, greedy)):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids, prompt
+    assert llm.controller.choose([llm.make_sequence(prompts[0], greedy)]) == 4
+    ngram = LLM(str(tiny_models["target"]), dtype="float32",
+                speculative_config={"method": "ngram", "num_speculative_tokens": 4, "adaptive": True})
+    assert not ngram.controller.delegated
+
+
 def test_metrics_count_by_source(tiny_models):
     llm = LLM(str(tiny_models["target"]), dtype="float32",
               speculative_config={"method": "auto", "auto_sources": ["ngram"], "adaptive": False})
