@@ -136,6 +136,25 @@ def test_the_tree_stops_where_one_more_node_would_not_pay():
     assert len(proposer.propose([seq], [4])[0]) == 2  # (1 + 0.95 + 0.90) / (1 + 2/3) beats 1 and 3 nodes
 
 
+def test_one_width_for_the_batch_rows_that_guess_nothing_pay_for_it_too():
+    """The pass is padded to the widest row: a row with nothing to guess pays for another row's nodes, so at batch 2
+    fewer of them pay than alone, and every row is cut to one width."""
+    class OnlyFirst(Fixed):
+        def propose(self, seqs, budgets):
+            return [self.tree if i == 0 and b else DraftTree.empty() for i, b in enumerate(budgets)]
+
+    proposer = auto({"chain": OnlyFirst([1, 2, 3, 4], [-1, 0, 1, 2])}, nodes=lambda k: k)
+    proposer.bind_costs(WidthCosts(0.3, proposer.widths))
+    rates = proposer.rates
+    for depth, rate in enumerate([0.9, 0.7, 0.95, 0.95]):  # path values 0.9, 0.63, 0.60, 0.57
+        rates.hits[rates.at(0, 0, depth)] = rate * rates.trials[rates.at(0, 0, depth)]
+    one, two = Seq("a"), Seq("b")
+    proposer.add([one, two])
+    assert len(proposer.propose([one], [4])[0]) == 4  # alone: (1 + 2.70) / 2.2 = 1.68 beats shorter trees
+    # beside a row that guesses nothing: (2 + 0.9) / 1.3 = 2.23 beats (2 + 2.70) / 2.2 = 2.13 and plain's 2
+    assert [len(t) for t in proposer.propose([one, two], [4, 4])] == [1, 0]
+
+
 @pytest.fixture(scope="module")
 def plain_answers(tiny_models):
     prompts = ["def add(a, b):\n    return a + b\n\ndef add(", "class Point:", "for i in range(10):", "print("]

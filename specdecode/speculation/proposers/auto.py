@@ -9,8 +9,9 @@ request starts from what earlier ones taught, and per request on top of it), com
 one source is right. A node's path value is the product along its path: the expected number of tokens it
 adds. The nodes with the highest path values are kept (a parent's is never below its child's, so they form a
 tree), as many as the step's budget allows and no more than pay for themselves: with the measured cost of a target
-pass per width (the controller's cost model, when one runs), the tree stops growing where one more node would
-lower the expected tokens per second.
+pass per width (the controller's cost model, when one runs), the trees stop growing where one more node per row
+would lower the expected tokens per second of the whole batch's pass (its rows are padded to the widest: a row that
+guesses nothing pays for another's nodes too, so all rows are cut to one width).
 
 Drafts are one-hot guesses, whatever their source: greedy output equals plain decoding and sampling stays lossless
 with either sampler (a deterministic guess is verified exactly however it was chosen).
@@ -145,21 +146,22 @@ class AutoProposer(WithoutDraftCache):
 
     def propose(self, seqs, budgets: list[int]) -> list[DraftTree]:
         per_source = [source.propose(seqs, [min(b, self.max_depth) for b in budgets]) for source in self.sources]
-        trees = []
+        rows = []  # per row: its merged candidates and the best of them, best first
         for row, (seq, budget) in enumerate(zip(seqs, budgets)):
             k = min(budget, self.max_depth)
             if k <= 0:
-                trees.append(DraftTree.empty())
-                self.last[seq.request_id] = []
+                rows.append(([], []))
                 continue
             merged = self._merge(seq.request_id, [trees_of[row] for trees_of in per_source], k)
-            kept = self._keep(merged, self.pass_nodes(k), len(seqs))
-            self.last[seq.request_id] = kept
-            if not kept:
-                trees.append(DraftTree.empty())
-                continue
+            rows.append((merged, self._best(merged, self.pass_nodes(k))))
+        if self.costs is not None:  # one pass width for the batch: every row is padded to the widest
+            width = self._paying(len(seqs), [[merged[i].value for i in best] for merged, best in rows])
+            rows = [(merged, best[:width]) for merged, best in rows]
+        trees = []
+        for seq, (merged, best) in zip(seqs, rows):
+            kept = self.last[seq.request_id] = self._tree(merged, best)
             trees.append(DraftTree(torch.tensor([c.token for c in kept], dtype=torch.long),
-                                   tuple(c.parent for c in kept)))
+                                   tuple(c.parent for c in kept)) if kept else DraftTree.empty())
         return trees
 
     def _merge(self, request_id: str, trees: list[DraftTree], k: int) -> list[Candidate]:
@@ -186,25 +188,29 @@ class AutoProposer(WithoutDraftCache):
             node.value = (1.0 - miss) * (nodes[node.parent].value if node.parent >= 0 else 1.0)
         return nodes
 
-    def _keep(self, nodes: list[Candidate], most: int, batch: int) -> list[Candidate]:
-        """The most valuable nodes (at most `most`, each worth MIN_VALUE or more, and no more than the pass cost
-        measured per width pays for), re-indexed in tree order."""
+    @staticmethod
+    def _best(nodes: list[Candidate], most: int) -> list[int]:
+        """Indices of the most valuable nodes, best first: at most `most`, each worth MIN_VALUE or more. (A node's
+        value is its path's, so no node comes before its parent.)"""
         order = sorted(range(len(nodes)), key=lambda i: (-nodes[i].value, nodes[i].depth, i))
-        order = [i for i in order[:most] if nodes[i].value >= MIN_VALUE]
-        if self.costs is not None and order:
-            order = order[:self._paying(batch, [nodes[i].value for i in order])]
-        chosen = sorted(order)  # merged indices: parents before children
+        return [i for i in order[:most] if nodes[i].value >= MIN_VALUE]
+
+    @staticmethod
+    def _tree(nodes: list[Candidate], kept: list[int]) -> list[Candidate]:
+        """The kept nodes re-indexed in tree order (parents before children)."""
+        chosen = sorted(kept)
         position = {old: new for new, old in enumerate(chosen)}
         return [dataclasses.replace(nodes[i], parent=position[nodes[i].parent] if nodes[i].parent >= 0 else -1)
                 for i in chosen]
 
-    def _paying(self, batch: int, values: list[float]) -> int:
-        """How many of the nodes (best first) maximise expected tokens per second of a pass over `batch` rows that
-        all draft alike: tokens 1 + the kept values per row, against the measured pass cost at that width."""
-        best_n, best = 0, 1.0 / self._pass_time(batch, 1)
-        tokens = 1.0
-        for n, value in enumerate(values, 1):
-            tokens += value
+    def _paying(self, batch: int, values: list[list[float]]) -> int:
+        """How many nodes per row (each row's best first) maximise expected tokens per second of one pass over
+        `batch` rows: each row gains 1 + its kept values, and every row pays for the widest row's positions (the
+        pass is padded), at the measured pass cost of that width."""
+        best_n, best = 0, batch / self._pass_time(batch, 1)
+        tokens = float(batch)
+        for n in range(1, max(map(len, values), default=0) + 1):
+            tokens += sum(row[n - 1] for row in values if len(row) >= n)
             rate = tokens / self._pass_time(batch, 1 + n)
             if rate > best:
                 best_n, best = n, rate
