@@ -136,8 +136,11 @@ class SpecController:
         speculating = [s for s in seqs if s.params.use_speculation]
         if not speculating:
             return 0
-        if self.delegated:  # (unless even guesses sure to be accepted would not pay at this batch size)
-            return self.max_k if self.best_k(len(seqs), [[1.0] * self.max_k] * len(speculating))[0] else 0
+        if self.delegated:
+            # Asking costs the proposer's work for every row; once nothing it drafted paid for probe_every steps
+            # (at a large batch no tree pays), it is asked once every probe_every steps until it drafts again.
+            idle = self.steps_since_draft
+            return self.max_k if idle < self.probe_every or idle % self.probe_every == 0 else 0
         rates = [self.rates(s.request_id, prior) for s in speculating if not self.losing(s.request_id, len(seqs))]
         k = self.best_k(len(seqs), rates)[0] if rates else 0
         if k == 0 and self.steps_since_draft >= self.probe_interval:

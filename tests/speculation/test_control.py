@@ -154,6 +154,24 @@ def test_low_acceptance_turns_speculation_off_then_probes():
     assert 1 in choices  # a probe re-measures the acceptance rate now and then
 
 
+def test_a_delegated_proposer_is_asked_every_step_until_it_stops_drafting():
+    """auto trims its own trees: it gets the whole budget each step, and after probe_every steps in which it drafted
+    nothing, once every probe_every steps; a step it drafts in brings every step back."""
+    controller = SpecController(synthetic_costs(), MAX_K, probe_every=4)
+    controller.delegated = True
+    seqs = seqs_of(2)
+
+    def step(drafted: int) -> int:
+        k = controller.choose(seqs)
+        report = StepReport(1 + drafted, 0.0, 0.01, [drafted, 0], [0, 0])
+        controller.observe(seqs, k, report, wall_time=0.011)
+        return k
+
+    assert [step(0) for _ in range(12)] == [MAX_K] * 4 + [MAX_K, 0, 0, 0] * 2
+    assert step(1) == MAX_K and step(0) == MAX_K  # it drafted: asked every step again
+    assert controller.choose(seqs_of(2, use_speculation=False)) == 0
+
+
 def test_failed_probes_back_off():
     """Once speculation is off, a speculator whose drafts are never accepted is probed after 8, 16, 32, ... plain
     steps, not every 8; a drafting step faster than plain ones brings the interval back to 8, one accepted draft
