@@ -83,12 +83,14 @@ def shard_path(out: Path, index: int) -> Path:
     return out / f"shard-{index:05d}.npz"
 
 
-def write_shard(path: Path, prompt_index: np.ndarray, answers: list[list[int]], seconds: float) -> None:
+def write_shard(path: Path, prompt_index: np.ndarray, answers: list[list[int]], seconds: float,
+                cpu_seconds: float | None = None) -> None:
     lengths = np.array([len(a) for a in answers], dtype=np.int32)
     tokens = np.fromiter((t for a in answers for t in a), dtype=np.uint16, count=int(lengths.sum()))
     tmp = path.with_suffix(".tmp.npz")
+    extra = {} if cpu_seconds is None else {"cpu_seconds": np.array([cpu_seconds])}
     np.savez_compressed(tmp, prompt_index=prompt_index.astype(np.int32), lengths=lengths, tokens=tokens,
-                        seconds=np.array([seconds]))
+                        seconds=np.array([seconds]), **extra)
     os.replace(tmp, path)
 
 
@@ -101,17 +103,25 @@ def read_shard(path: Path) -> tuple[np.ndarray, list[np.ndarray]]:
 
 
 def corpus_stats(out: Path) -> dict:
+    """Sizes and speed of the shards so far. Wall seconds include any time the job was paused; CPU seconds (the
+    process's, recorded since 2 December 2026; older shards lack them) do not, and are summed over the shards that
+    have them."""
     shards = sorted(out.glob("shard-*.npz"))
-    tokens = prompts = 0
-    seconds = 0.0
+    tokens = prompts = cpu_tokens = 0
+    seconds = cpu_seconds = 0.0
     for path in shards:
         with np.load(path) as data:
-            tokens += int(data["lengths"].sum())
+            made = int(data["lengths"].sum())
+            tokens += made
             prompts += len(data["lengths"])
             seconds += float(data["seconds"][0])
+            if "cpu_seconds" in data.files:
+                cpu_seconds += float(data["cpu_seconds"][0])
+                cpu_tokens += made
     return {"shards": len(shards), "prompts": prompts, "answer_tokens": tokens,
             "generation_seconds": round(seconds, 1),
             "tokens_per_second": round(tokens / seconds, 1) if seconds else None,
+            "tokens_per_cpu_second": round(cpu_tokens / cpu_seconds, 1) if cpu_seconds else None,
             "bytes": sum(p.stat().st_size for p in shards)}
 
 
@@ -151,7 +161,8 @@ def build(out: Path, target_tokens: int, batch: int = 32, max_tokens: int = 256,
                              "user turn with the conversation so far, ordered by sha256 of '<id>#<turn>'",
             "seeds": "per prompt: sha256('<id>#<turn>')[:8] >> 8 mod 2**31; mode = that hash mod 3",
             "format": "shard-NNNNN.npz: prompt_index (into the planned prompt list), lengths, tokens (uint16 "
-                      "answer ids, end-of-sequence included when generated), seconds"}
+                      "answer ids, end-of-sequence included when generated), seconds (wall), cpu_seconds (the "
+                      "process's; shards written before it existed lack it)"}
     index = 0
     while True:
         stats = corpus_stats(out)
@@ -164,16 +175,16 @@ def build(out: Path, target_tokens: int, batch: int = 32, max_tokens: int = 256,
             progress("corpus: the prompts ran out")
             break
         chunk = list(range(start, min(start + SHARD_PROMPTS, len(prompts))))
-        began = time.perf_counter()
+        began, cpu_began = time.perf_counter(), time.process_time()
         # Shortest first, so the rows that join one prefill have similar lengths (less padding); each answer
         # depends on its prompt and seed alone (the default configuration is batch invariant).
         order = sorted(chunk, key=lambda i: len(prompt_ids[i]))
         outputs = llm.generate([prompt_ids[i] for i in order],
                                [sampling_params(prompts[i], max_tokens) for i in order])
-        seconds = time.perf_counter() - began
+        seconds, cpu_seconds = time.perf_counter() - began, time.process_time() - cpu_began
         by_prompt = {i: o.outputs[0].token_ids for i, o in zip(order, outputs)}
         answers = [by_prompt[i] for i in chunk]
-        write_shard(shard_path(out, index), np.array(chunk), answers, seconds)
+        write_shard(shard_path(out, index), np.array(chunk), answers, seconds, cpu_seconds)
         made = sum(map(len, answers))
         progress(f"corpus: shard {index} {made} tokens in {seconds:.0f} s ({made / seconds:.0f} tok/s); "
                  f"total {stats['answer_tokens'] + made}/{target_tokens}")

@@ -40,6 +40,7 @@ def test_batch_invariant_and_resumable(tiny_models, conversations, tmp_path, mon
     reference = tokens_of(tmp_path / "one")
     assert reference == tokens_of(tmp_path / "many")
     assert sum(map(len, reference.values())) == one["stats"]["answer_tokens"] > 0
+    assert one["stats"]["tokens_per_cpu_second"] > 0  # (CPU time: a paused job's shards are not slower)
     # stop after shard 1 was written: remove it and the later ones, then the same command fills them in
     for path in sorted((tmp_path / "many").glob("shard-*.npz"))[1:]:
         path.unlink()
