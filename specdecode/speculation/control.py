@@ -132,7 +132,6 @@ class SpecController:
         pay, are counted as plain rows."""
         if self.fixed_k is not None:
             return self.fixed_k
-        prior = self.global_rates()
         speculating = [s for s in seqs if s.params.use_speculation]
         if not speculating:
             return 0
@@ -141,6 +140,7 @@ class SpecController:
             # (at a large batch no tree pays), it is asked once every probe_every steps until it drafts again.
             idle = self.steps_since_draft
             return self.max_k if idle < self.probe_every or idle % self.probe_every == 0 else 0
+        prior = self.global_rates()
         rates = [self.rates(s.request_id, prior) for s in speculating if not self.losing(s.request_id, len(seqs))]
         k = self.best_k(len(seqs), rates)[0] if rates else 0
         if k == 0 and self.steps_since_draft >= self.probe_interval:

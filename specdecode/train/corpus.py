@@ -84,13 +84,12 @@ def shard_path(out: Path, index: int) -> Path:
 
 
 def write_shard(path: Path, prompt_index: np.ndarray, answers: list[list[int]], seconds: float,
-                cpu_seconds: float | None = None) -> None:
+                cpu_seconds: float) -> None:
     lengths = np.array([len(a) for a in answers], dtype=np.int32)
     tokens = np.fromiter((t for a in answers for t in a), dtype=np.uint16, count=int(lengths.sum()))
     tmp = path.with_suffix(".tmp.npz")
-    extra = {} if cpu_seconds is None else {"cpu_seconds": np.array([cpu_seconds])}
     np.savez_compressed(tmp, prompt_index=prompt_index.astype(np.int32), lengths=lengths, tokens=tokens,
-                        seconds=np.array([seconds]), **extra)
+                        seconds=np.array([seconds]), cpu_seconds=np.array([cpu_seconds]))
     os.replace(tmp, path)
 
 

@@ -134,6 +134,8 @@ class Proposer(Protocol):
     #   draft_after(seq, tokens, k) -> list[int]: up to k tokens guessed to follow `tokens` (seq's tokens then a run
     #   it has not emitted, e.g. a grammar's forced tokens), so that a structured request's tree can go on past a
     #   forced run.
+    # Optional, for proposers that remember finished requests (suffix):
+    #   forget_finished() -> None: drop what finished requests wrote (benchmarks repeating their prompts call it).
 
     def ensure_cache(self, slots: int, max_len: int) -> None:
         """Room for `slots` sequences of up to max_len positions in the caches it keeps (a no-op without any)."""
