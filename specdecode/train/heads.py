@@ -170,3 +170,22 @@ def draft_from_target(target, hidden: int, layers: int, intermediate: int):
         draft.model.embed_tokens.weight.copy_(projected / projected.std() * 0.02 ** 0.5)
     draft.lm_head.weight = draft.model.embed_tokens.weight
     return draft
+
+
+EAGLE_INITS = ("random", "last-layer")
+"""How an EAGLE head's decoder layer starts: random (as EAGLE does), or a copy of the target's last decoder layer
+with fc passing the token's embedding plus the normed feature (the layer then starts out as the computation that
+made the feature, applied once more)."""
+
+
+def init_eagle(head, target, how: str) -> None:
+    if how not in EAGLE_INITS:
+        raise ValueError(f"unknown EAGLE init {how!r}; choose one of {', '.join(EAGLE_INITS)}")
+    if how == "random":
+        return
+    d = target.config.hidden_size
+    with torch.no_grad():
+        head.decoder.model.layers[0].load_state_dict(target.model.layers[-1].state_dict())
+        eye = torch.eye(d)
+        head.fc.weight.copy_(torch.cat([eye, eye], dim=1))
+        head.fc.bias.zero_()

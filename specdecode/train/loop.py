@@ -81,13 +81,30 @@ def checkpoint_path(run_dir: Path) -> Path:
     return Path(run_dir) / "checkpoint.pt"
 
 
+def _frozen_names(model) -> set[str]:
+    return {name for name, p in model.named_parameters() if not p.requires_grad}
+
+
 def save_checkpoint(run_dir: Path, model, optimizer, state: dict) -> None:
+    """The trained weights (frozen ones, such as a head's copy of the target's embedding, are rebuilt from the
+    target and left out), the optimizer and the position, written atomically."""
     import torch
 
     path = checkpoint_path(run_dir)
     tmp = path.with_suffix(".tmp")
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), **state}, tmp)
+    frozen = _frozen_names(model)
+    weights = {k: v for k, v in model.state_dict().items() if k not in frozen}
+    torch.save({"model": weights, "optimizer": optimizer.state_dict(), **state}, tmp)
     tmp.replace(path)  # atomic: an interruption never leaves a half-written checkpoint
+
+
+def load_weights(model, weights: dict) -> None:
+    """Load a checkpoint's weights: every trained one must be there; frozen ones may be missing."""
+    result = model.load_state_dict(weights, strict=False)
+    missing = set(result.missing_keys) - _frozen_names(model)
+    if missing or result.unexpected_keys:
+        raise ConfigError(f"the checkpoint does not fit this model (missing {sorted(missing)[:3]}, unexpected "
+                          f"{result.unexpected_keys[:3]}): resume with the settings it was made with")
 
 
 LossFn = Callable[["torch.nn.Module", object], "tuple[torch.Tensor, dict]"]
@@ -118,7 +135,7 @@ def train(model: torch.nn.Module, loss_fn: LossFn, tokens: "np.ndarray | Callabl
     log_path = run_dir / "log.jsonl"
     if resume and checkpoint_path(run_dir).is_file():
         ckpt = torch.load(checkpoint_path(run_dir), map_location="cpu", weights_only=False)
-        model.load_state_dict(ckpt.pop("model"))
+        load_weights(model, ckpt.pop("model"))
         optimizer.load_state_dict(ckpt.pop("optimizer"))
         state.update({k: ckpt[k] for k in ("step", "tokens_seen", "wall_time_s")})
         if ckpt["train_config"] != dataclasses.asdict(cfg):

