@@ -9,15 +9,8 @@ import sys
 from pathlib import Path
 
 from specdecode.cli.types import (MAX_NUM_SEQS, PORT, POSITIVE, SECONDS, SEED, SPECULATIVE_TOKENS, TEMPERATURE,
-                                  THREADS, TOKENS, float_range, int_range)
+                                  THREADS, TOKENS, float_range, int_list, int_range)
 from specdecode.errors import CheckpointError, ConfigError
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -70,8 +63,8 @@ def register(sub) -> None:
     p.add_argument("--temperatures", type=_floats, default=None, help="per-request tables (default 0,1)")
     p.add_argument("--num-speculative-tokens", type=SPECULATIVE_TOKENS, default=None,
                    help="K of every method (default: its own)")
-    p.add_argument("--batch-sizes", type=_ints, default=None, help="batch sweep sizes (default 1,2,4,8,16,32,64)")
-    p.add_argument("--sweep-ks", type=_ints, default=None, help="fixed K of the batch sweep (default 1,2,3,4,5)")
+    p.add_argument("--batch-sizes", type=int_list, default=None, help="batch sweep sizes (default 1,2,4,8,16,32,64)")
+    p.add_argument("--sweep-ks", type=int_list, default=None, help="fixed K of the batch sweep (default 1,2,3,4,5)")
     p.add_argument("--sweep-method", default=None, help="speculative method of the batch sweep (default ngram)")
     p.add_argument("--sweep-max-tokens", type=TOKENS, default=None, help="tokens per sweep request (default 64)")
     p.add_argument("--sweep-repeats", type=int_range(1, 100), default=None,

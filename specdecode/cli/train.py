@@ -8,7 +8,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from specdecode.cli.types import POSITIVE, SEED, THREADS, float_range, int_range
+from specdecode.cli.types import POSITIVE, SEED, THREADS, float_range, int_list, int_range
 from specdecode.train import loop, recipe
 
 
@@ -150,7 +150,7 @@ def cmd_features(args) -> int:
     args.model = resolve_model(args.model)
     target = load_model(args.model, dtype=args.dtype, device="cpu")
     data = speculators.build_feature_cache(target, Tokenizer(args.model), speculators.resolve_data(args.data),
-                                           args.out, args.max_tokens, args.seq_len)
+                                           args.out, args.max_tokens, args.seq_len, extra_layers=args.extra_layers)
     data["target_sha256"] = weights_digest(target)
     (Path(args.out) / "data.json").write_text(json.dumps(data, indent=1) + "\n")
     print(json.dumps(data, indent=1))
@@ -227,6 +227,9 @@ def register(sub) -> None:
     p.add_argument("--max-tokens", type=POSITIVE, default=2_000_000, help="training tokens to cache")
     p.add_argument("--seq-len", type=POSITIVE, default=1024, help="conversations are cut at this many tokens")
     p.add_argument("--dtype", default="bfloat16", help="dtype of the target's forward")
+    p.add_argument("--extra-layers", type=int_list, default=(),
+                   help="comma-separated target layers whose hidden states are cached too, beside the last layer's "
+                        "(for `train eagle --feature-layers`, EAGLE-3-style multi-layer features)")
     _threads_arg(p)
     p.set_defaults(func=cmd_features)
 
@@ -274,6 +277,9 @@ def register(sub) -> None:
         p.add_argument("--unroll", type=POSITIVE, default=3, help="eagle: training-time-test steps")
         p.add_argument("--eagle-init", choices=("random", "last-layer"), default="random",
                        help="eagle: the decoder layer starts random or as a copy of the target's last layer")
+        p.add_argument("--feature-layers", type=int_list, default=None,
+                       help="eagle: comma-separated target layers the head reads (default: the last; several: "
+                            "EAGLE-3-style, e.g. 2,15,29 on SmolLM2's 30 layers)")
         p.add_argument("--num-heads", type=POSITIVE, default=4, help="medusa: heads")
         p.add_argument("--draft-hidden", type=POSITIVE, default=256, help="draft: width (embedding = the target's, "
                        "projected onto its top principal directions)")

@@ -27,6 +27,14 @@ def _describe(lo, hi) -> str:
     return f"between {lo} and {hi}"
 
 
+def int_list(text: str) -> tuple[int, ...]:
+    """Comma-separated integers, e.g. 1,2,4."""
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
 def int_range(lo: int | None = None, hi: int | None = None):
     """An argparse type: an integer in [lo, hi] (either end may be None: unbounded)."""
 

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from specdecode.errors import CheckpointError
-from specdecode.model.llama import LlamaForCausalLM, RMSNorm
+from specdecode.model.llama import LlamaForCausalLM
 
 
 @dataclasses.dataclass
@@ -40,6 +40,8 @@ class HeadConfig:
     """Held-out accuracy per head (eagle: per depth) and rank r: P(target's greedy token in the top r)."""
     topk_ranks: list | None = None
     """The ranks r of topk_accuracy's columns."""
+    feature_layers: list | None = None
+    """eagle: the target layers whose hidden states the head reads (None: the last; several: EAGLE-3-style)."""
 
     @classmethod
     def read(cls, folder: Path) -> "HeadConfig":
@@ -68,13 +70,22 @@ class EagleHead(nn.Module):
 
     The layer is one decoder layer of the target's shape, run through our decoder (so it has a KV cache, tree
     masks and pending positions like any model); the embedding, final norm and output head are the target's,
-    frozen. Features are the target's last-layer hidden states before the final norm.
+    frozen. Features are the target's last-layer hidden states before the final norm. With several
+    `feature_layers` (EAGLE-3-style), the feature of a committed token is instead `reduce` of those layers' hidden
+    states, each scaled to unit RMS; drafted tokens still carry the head's own predicted features.
     """
 
-    def __init__(self, target: LlamaForCausalLM, draft_to_target: torch.Tensor):
+    def __init__(self, target: LlamaForCausalLM, draft_to_target: torch.Tensor,
+                 feature_layers: tuple[int, ...] | None = None):
         super().__init__()
         tc = target.config
         d = tc.hidden_size
+        self.last_layer = last = tc.num_hidden_layers - 1
+        self.feature_layers = tuple(sorted(set(feature_layers))) if feature_layers else (last,)
+        if any(not 0 <= i <= last for i in self.feature_layers):
+            raise CheckpointError(f"EAGLE feature layers {list(self.feature_layers)}: the target has layers 0..{last}")
+        if len(self.feature_layers) > 1:
+            self.reduce = nn.Linear(len(self.feature_layers) * d, d, bias=False)
         config = dataclasses.replace(tc, num_hidden_layers=1, vocab_size=len(draft_to_target),
                                      tie_word_embeddings=False)
         self.fc = nn.Linear(2 * d, d, bias=True)
@@ -88,9 +99,16 @@ class EagleHead(nn.Module):
         self.register_buffer("draft_to_target", draft_to_target.clone(), persistent=False)
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
-        """The weights a head directory stores: fc and the decoder layer."""
+        """The weights a head directory stores: fc (and reduce) and the decoder layer."""
         return {k: v for k, v in self.state_dict().items()
-                if k.startswith("fc.") or k.startswith("decoder.model.layers.")}
+                if k.startswith(("fc.", "reduce.", "decoder.model.layers."))}
+
+    def target_features(self, hidden: list[torch.Tensor]) -> torch.Tensor:
+        """The target's hidden states [..., D] at feature_layers (in that order) -> the head's features [..., D]."""
+        if len(self.feature_layers) == 1:
+            return hidden[0]
+        scaled = [h * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(h.dtype) for h in hidden]
+        return self.reduce(torch.cat(scaled, dim=-1))
 
     def fuse(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """tokens [B, T] (target ids), features [B, T, D] -> layer inputs [B, T, D].
@@ -162,7 +180,7 @@ def load_head(folder: Path, target: LlamaForCausalLM, target_sha256: str | None)
         raise CheckpointError(f"{folder / 'model.safetensors'} is missing or corrupt ({exc})") from exc
     draft_to_target = state.pop("draft_to_target").long()
     if config.kind == "eagle":
-        head = EagleHead(target, draft_to_target)
+        head = EagleHead(target, draft_to_target, config.feature_layers)
     elif config.kind == "medusa":
         head = MedusaHeads(target, draft_to_target, config.num_heads)
     else:

@@ -2,7 +2,8 @@
 
 For every token of every training conversation the cache keeps what EAGLE, Medusa and draft distillation
 learn from: the token id, whether it belongs to an answer, the target's last-layer hidden state before the
-final norm (the EAGLE feature; Medusa reads norm(feature)), and the target's top-k next-token probabilities.
+final norm (the EAGLE feature; Medusa reads norm(feature)), the target's top-k next-token probabilities and,
+when asked, the hidden states of further layers (EAGLE-3-style multi-layer features: `extra_layers`).
 Shards are written whole and renamed into place, so an interrupted run resumes at the first missing shard.
 """
 from __future__ import annotations
@@ -39,6 +40,8 @@ class Shard:
     topk_ids: np.ndarray  # [N, K] int32: the target's K most likely next tokens at each position
     topk_probs: np.ndarray  # [N, K] float16
     offsets: np.ndarray  # [S + 1] int64: sequence s is tokens[offsets[s]:offsets[s + 1]]
+    extra: np.ndarray | None = None  # [N, E, D] bfloat16 as uint16: the hidden states of extra_layers
+    extra_layers: tuple[int, ...] = ()
 
     @classmethod
     def open(cls, folder: Path) -> "Shard":
@@ -48,17 +51,22 @@ class Shard:
         def mm(name, dtype, shape):
             return np.memmap(folder / name, dtype=dtype, mode="r", shape=shape)
 
+        extra_layers = tuple(meta.get("extra_layers", ()))
+        extra = mm("extra.bin", np.uint16, (n, len(extra_layers), d)) if extra_layers else None
         return cls(mm("tokens.bin", np.uint16, (n,)), mm("is_answer.bin", np.bool_, (n,)),
                    mm("features.bin", np.uint16, (n, d)), mm("topk_ids.bin", np.int32, (n, k)),
-                   mm("topk_probs.bin", np.float16, (n, k)), np.load(folder / "offsets.npy"))
+                   mm("topk_probs.bin", np.float16, (n, k)), np.load(folder / "offsets.npy"), extra, extra_layers)
 
     def sequence(self, s: int) -> dict[str, torch.Tensor]:
         a, b = int(self.offsets[s]), int(self.offsets[s + 1])
-        return {"tokens": torch.from_numpy(self.tokens[a:b].astype(np.int64)),
-                "is_answer": torch.from_numpy(np.array(self.is_answer[a:b])),
-                "features": torch.from_numpy(np.array(self.features[a:b])).view(torch.bfloat16),
-                "topk_ids": torch.from_numpy(self.topk_ids[a:b].astype(np.int64)),
-                "topk_probs": torch.from_numpy(self.topk_probs[a:b].astype(np.float32))}
+        out = {"tokens": torch.from_numpy(self.tokens[a:b].astype(np.int64)),
+               "is_answer": torch.from_numpy(np.array(self.is_answer[a:b])),
+               "features": torch.from_numpy(np.array(self.features[a:b])).view(torch.bfloat16),
+               "topk_ids": torch.from_numpy(self.topk_ids[a:b].astype(np.int64)),
+               "topk_probs": torch.from_numpy(self.topk_probs[a:b].astype(np.float32))}
+        if self.extra is not None:
+            out["extra"] = torch.from_numpy(np.array(self.extra[a:b])).view(torch.bfloat16)
+        return out
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -86,15 +94,18 @@ def _batches(examples: list[Example], max_batch_tokens: int):
 
 
 @torch.inference_mode()
-def _run_target(target, batch: list[Example], top_k: int, logit_chunk: int = 1024):
-    """Target features [n_i, D] and top-k (ids, probs) [n_i, K] for each example of a batch (right-padded)."""
+def _run_target(target, batch: list[Example], top_k: int, extra_layers: tuple[int, ...] = (),
+                logit_chunk: int = 1024):
+    """Target features [n_i, D], top-k (ids, probs) [n_i, K] and extra layers' hidden states [n_i, E, D] (None
+    without extra layers) for each example of a batch (right-padded)."""
     T = max(len(ex.ids) for ex in batch)
     ids = torch.zeros(len(batch), T, dtype=torch.long)
     for row, ex in enumerate(batch):
         ids[row, :len(ex.ids)] = torch.tensor(ex.ids)
     last = target.config.num_hidden_layers - 1
-    out = target(ids.to(target.device), hidden_layers=(last,), compute_logits=False)
+    out = target(ids.to(target.device), hidden_layers=(last, *extra_layers), compute_logits=False)
     feats = out.layer_hidden[last]  # [B, T, D], before the final norm
+    extra = torch.stack([out.layer_hidden[i] for i in extra_layers], dim=2) if extra_layers else None
     hidden = out.hidden.reshape(-1, out.hidden.shape[-1])  # [B * T, D], normed
     top_ids, top_probs = [], []
     for start in range(0, hidden.shape[0], logit_chunk):
@@ -106,10 +117,11 @@ def _run_target(target, batch: list[Example], top_k: int, logit_chunk: int = 102
     top_probs = torch.cat(top_probs).view(len(batch), T, top_k)
     for row, ex in enumerate(batch):
         n = len(ex.ids)
-        yield feats[row, :n], top_ids[row, :n], top_probs[row, :n]
+        yield feats[row, :n], top_ids[row, :n], top_probs[row, :n], None if extra is None else extra[row, :n]
 
 
-def _write_shard(folder: Path, examples: list[Example], outputs: list, hidden: int, top_k: int) -> None:
+def _write_shard(folder: Path, examples: list[Example], outputs: list, hidden: int, top_k: int,
+                 extra_layers: tuple[int, ...] = ()) -> None:
     tmp = folder.with_name(folder.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
     lengths = [len(ex.ids) for ex in examples]
@@ -118,16 +130,24 @@ def _write_shard(folder: Path, examples: list[Example], outputs: list, hidden: i
     torch.cat([o[0] for o in outputs]).to(torch.bfloat16).view(torch.uint16).numpy().tofile(tmp / "features.bin")
     torch.cat([o[1] for o in outputs]).to(torch.int32).numpy().tofile(tmp / "topk_ids.bin")
     torch.cat([o[2] for o in outputs]).to(torch.float16).numpy().tofile(tmp / "topk_probs.bin")
+    if extra_layers:
+        torch.cat([o[3] for o in outputs]).to(torch.bfloat16).view(torch.uint16).numpy().tofile(tmp / "extra.bin")
     np.save(tmp / "offsets.npy", np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
     (tmp / "meta.json").write_text(json.dumps({"tokens": int(sum(lengths)), "sequences": len(examples),
-                                               "hidden": hidden, "top_k": top_k}))
+                                               "hidden": hidden, "top_k": top_k, "extra_layers": list(extra_layers)}))
     tmp.rename(folder)
 
 
 def extract(target, examples: list[Example], out_dir: Path, shard_tokens: int = 65536,
-            max_batch_tokens: int = 8192, top_k: int = TOP_K) -> int:
+            max_batch_tokens: int = 8192, top_k: int = TOP_K, extra_layers: tuple[int, ...] = ()) -> int:
     """Run the frozen target over the examples (in their given order) and write the cache; returns tokens
-    cached. Shards already on disk are kept: the examples they cover are skipped."""
+    cached. Shards already on disk are kept: the examples they cover are skipped (when they hold the same
+    extra layers)."""
+    extra_layers = tuple(int(i) for i in extra_layers)
+    layers = target.config.num_hidden_layers
+    if any(not 0 <= i < layers - 1 for i in extra_layers):
+        raise ConfigError(f"extra feature layers {list(extra_layers)}: choose layers 0..{layers - 2} (the last "
+                          f"layer, {layers - 1}, is always cached)")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     groups, group, size = [], [], 0
@@ -147,7 +167,8 @@ def extract(target, examples: list[Example], out_dir: Path, shard_tokens: int = 
             group_tokens = sum(len(ex.ids) for ex in group)
             if (folder / "meta.json").is_file():
                 done = json.loads((folder / "meta.json").read_text())
-                if done["sequences"] == len(group) and done["tokens"] == group_tokens:
+                if (done["sequences"] == len(group) and done["tokens"] == group_tokens
+                        and tuple(done.get("extra_layers", ())) == extra_layers):
                     bar.update(group_tokens)
                     continue
                 import shutil  # a shard of an earlier run with another token budget: compute it again
@@ -157,9 +178,9 @@ def extract(target, examples: list[Example], out_dir: Path, shard_tokens: int = 
             ordered = sorted(group, key=lambda ex: len(ex.ids))
             outputs = []
             for batch in _batches(ordered, max_batch_tokens):
-                outputs.extend(_run_target(target, batch, top_k))
+                outputs.extend(_run_target(target, batch, top_k, extra_layers))
                 bar.update(sum(len(ex.ids) for ex in batch))
-            _write_shard(folder, ordered, outputs, hidden, top_k)
+            _write_shard(folder, ordered, outputs, hidden, top_k, extra_layers)
     return total
 
 
@@ -173,6 +194,17 @@ class FeatureBatch:
     features: torch.Tensor  # [B, T, D] bfloat16
     topk_ids: torch.Tensor  # [B, T, K] long
     topk_probs: torch.Tensor  # [B, T, K] float32
+    extra: torch.Tensor | None = None  # [B, T, E, D] bfloat16: the cache's extra layers, when it has them
+    extra_layers: tuple[int, ...] = ()
+
+    def layer_features(self, layers: tuple[int, ...], last: int) -> list[torch.Tensor]:
+        """The target's hidden states [B, T, D] at these layers (`last`: the cached features), float32."""
+        missing = [i for i in layers if i != last and i not in self.extra_layers]
+        if missing:
+            raise ConfigError(f"the feature cache lacks layers {missing} (it holds {list(self.extra_layers)} and "
+                              f"{last}): build another with `specdecode train features --extra-layers ...`")
+        return [self.features.float() if i == last else self.extra[:, :, self.extra_layers.index(i)].float()
+                for i in layers]
 
     @property
     def num_tokens(self) -> int:
@@ -210,7 +242,8 @@ def sample_batch(shards: list[Shard], batch_tokens: int, seed: int, step: int, m
     for row, s in enumerate(picked):
         valid[row, :len(s["tokens"])] = True
     return FeatureBatch(stack("tokens"), valid, stack("is_answer", False), stack("features"), stack("topk_ids"),
-                        stack("topk_probs"))
+                        stack("topk_probs"), stack("extra") if "extra" in picked[0] else None,
+                        shards[0].extra_layers)
 
 
 def draft_vocabulary(shards: list[Shard], size: int, always: list[int]) -> torch.Tensor:

@@ -20,8 +20,9 @@ RANKS = (1, 2, 3, 5, 10)
 """Ranks at which held-out top-r accuracy is reported."""
 
 
-def _feature_cache(args, tokenizer, data_path: Path, folder: Path, max_tokens: int, heldout: bool) -> list:
-    """Open the cache in folder, computing it first (resumably) when it is not complete."""
+def _feature_cache(args, tokenizer, data_path: Path, folder: Path, max_tokens: int, heldout: bool,
+                   extra_layers: tuple[int, ...] = ()) -> list:
+    """Open the cache in folder, computing it first (resumably, with extra_layers) when it is not complete."""
     source = str(data_path / "heldout" if heldout and data_path.is_dir() else data_path)
     if (folder / "data.json").is_file():
         made = json.loads((folder / "data.json").read_text())
@@ -29,17 +30,22 @@ def _feature_cache(args, tokenizer, data_path: Path, folder: Path, max_tokens: i
         if made_from != source:
             raise ConfigError(f"--features {args.features} holds the features of {made_from}, not of {source}: "
                               "pass another --features folder")
+        if not set(extra_layers) <= set(made.get("extra_layers", ())):
+            raise ConfigError(f"--features {folder} holds layers {made.get('extra_layers', [])} beside the last, not "
+                              f"{list(extra_layers)}: pass another --features folder (or build one with `specdecode "
+                              f"train features --extra-layers {','.join(map(str, extra_layers))}`)")
     else:
         from specdecode.model.loading import load_model
 
         target = load_model(args.model, dtype=args.feature_dtype, device="cpu")
         if heldout:
             examples = speculators.heldout_examples(tokenizer, data_path, max_tokens, args.seq_len)
-            tokens = features.extract(target, examples, folder)
+            tokens = features.extract(target, examples, folder, extra_layers=extra_layers)
             data = {("corpus" if data_path.is_dir() else "file"): source, "examples": len(examples), "tokens": tokens,
-                    "answer_tokens": sum(sum(ex.is_answer) for ex in examples)}
+                    "answer_tokens": sum(sum(ex.is_answer) for ex in examples), "extra_layers": list(extra_layers)}
         else:
-            data = speculators.build_feature_cache(target, tokenizer, data_path, folder, max_tokens, args.seq_len)
+            data = speculators.build_feature_cache(target, tokenizer, data_path, folder, max_tokens, args.seq_len,
+                                                   extra_layers=extra_layers)
         (folder / "data.json").write_text(json.dumps(data, indent=1) + "\n")
     return features.open_cache(folder)
 
@@ -97,7 +103,7 @@ def _greedy_ranks(kind, head, batch, t2d, target, loss_cfg) -> list[torch.Tensor
 
 def run(args) -> int:
     """Train one head as `args` says and write its speculator directory."""
-    from specdecode.model.loading import load_model
+    from specdecode.model.loading import load_model, read_config
     from specdecode.model.tokenizer import Tokenizer
     from specdecode.speculation.heads import EagleHead, HeadConfig, MedusaHeads, save_head
     from specdecode.train.heads import draft_from_target
@@ -109,8 +115,11 @@ def run(args) -> int:
     args.model = resolve_model(args.model)
     tokenizer = Tokenizer(args.model)
     data_path = speculators.resolve_data(args.data)
-    shards = _feature_cache(args, tokenizer, data_path, args.features, args.max_tokens, heldout=False)
-    held = _feature_cache(args, tokenizer, data_path, args.features / "heldout", args.heldout_tokens, heldout=True)
+    feature_layers = tuple(args.feature_layers or ()) if kind == "eagle" else ()
+    last = read_config(args.model).num_hidden_layers - 1
+    extra = tuple(sorted(set(feature_layers) - {last}))
+    shards = _feature_cache(args, tokenizer, data_path, args.features, args.max_tokens, False, extra)
+    held = _feature_cache(args, tokenizer, data_path, args.features / "heldout", args.heldout_tokens, True, extra)
     target = load_model(args.model, dtype="float32", device="cpu").requires_grad_(False)
     digest = weights_digest(target)
     torch.manual_seed(args.seed)
@@ -119,7 +128,8 @@ def run(args) -> int:
         head = draft_from_target(target, args.draft_hidden, args.draft_layers, 4 * args.draft_hidden)
     else:
         d2t = features.draft_vocabulary(shards, args.draft_vocab, tokenizer.eos_token_ids)
-        head = EagleHead(target, d2t) if kind == "eagle" else MedusaHeads(target, d2t, args.num_heads)
+        head = (EagleHead(target, d2t, feature_layers or None) if kind == "eagle"
+                else MedusaHeads(target, d2t, args.num_heads))
         if kind == "eagle":
             init_eagle(head, target, args.eagle_init)
     t2d = speculators.target_to_draft_map(d2t, target.config.vocab_size)
@@ -146,14 +156,15 @@ def run(args) -> int:
     argv = [a for a in sys.argv[1:] if a not in ("--resume", "--export-only")]
     info = {"kind": kind, "command": "specdecode " + " ".join(shlex.quote(a) for a in argv),
             "target": str(args.model), "target_sha256": digest, "data": data, "heldout_data": heldout_data,
-            "draft_vocab_size": len(d2t), "train": summary, "this_run_wall_time_s": round(time.time() - started, 1),
+            "draft_vocab_size": len(d2t), "feature_layers": list(feature_layers) or [last], "train": summary, "this_run_wall_time_s": round(time.time() - started, 1),
             "heldout_topk_accuracy": {"ranks": list(RANKS), "per_depth": accuracy}}
     if kind == "draft":
         save_draft(head, tokenizer, args.out, card(info))
     else:
         config = HeadConfig(kind=kind, target_sha256=digest, draft_vocab_size=len(d2t),
                             num_heads=args.num_heads if kind == "medusa" else 1,
-                            topk_accuracy=[row[:] for row in accuracy], topk_ranks=list(RANKS))
+                            topk_accuracy=[row[:] for row in accuracy], topk_ranks=list(RANKS),
+                            feature_layers=sorted(set(feature_layers)) if len(set(feature_layers)) > 1 else None)
         save_head(head, config, args.out, card(info))
     (Path(args.out) / "training.json").write_text(json.dumps(info, indent=1) + "\n")
     print(json.dumps(info["heldout_topk_accuracy"], indent=1))

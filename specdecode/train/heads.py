@@ -85,11 +85,12 @@ def eagle_unroll(head: EagleHead, batch: FeatureBatch, target_to_draft: torch.Te
     norm = head.decoder.model.norm
     B, T = batch.tokens.shape
     real = batch.features.float()  # [B, T, D]
-    feature_in = real
+    hidden = batch.layer_features(head.feature_layers, head.last_layer)
     if generator is not None and cfg.noise > 0:
         # Relative to each value: an additive scale from the RMS would swamp the ordinary dimensions, since a
         # few outlier dimensions dominate the RMS of the residual stream.
-        feature_in = real * (1 + cfg.noise * (torch.rand(real.shape, generator=generator) * 2 - 1))
+        hidden = [h * (1 + cfg.noise * (torch.rand(h.shape, generator=generator) * 2 - 1)) for h in hidden]
+    feature_in = head.target_features(hidden)
     real_normed = norm(real)
     topk_draft = target_to_draft[batch.topk_ids]  # [B, T, K]
     ctx = _UnrolledContext(T)

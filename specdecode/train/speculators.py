@@ -54,21 +54,25 @@ def training_examples(conversations, tokenizer, max_tokens: int, seq_len: int) -
 
 
 def build_feature_cache(target, tokenizer, data_path: Path, out_dir: Path, max_tokens: int, seq_len: int,
-                        max_batch_tokens: int = 8192) -> dict:
-    """Features of the training split, cached in out_dir; returns what a card records about the data."""
+                        max_batch_tokens: int = 8192, extra_layers: tuple[int, ...] = ()) -> dict:
+    """Features of the training split (and of extra_layers), cached in out_dir; returns what a card records about
+    the data."""
     if data_path.is_dir():
         examples, info = corpus.examples(data_path, tokenizer, max_tokens, seq_len)
-        info["tokens"] = features.extract(target, examples, out_dir, max_batch_tokens=max_batch_tokens)
+        info["tokens"] = features.extract(target, examples, out_dir, max_batch_tokens=max_batch_tokens,
+                                          extra_layers=extra_layers)
+        info["extra_layers"] = list(extra_layers)
         return info
     conversations = sharegpt.load_conversations(data_path)
     train, heldout = sharegpt.split(conversations)
     examples = training_examples(train, tokenizer, max_tokens, seq_len)
-    tokens = features.extract(target, examples, out_dir, max_batch_tokens=max_batch_tokens)
+    tokens = features.extract(target, examples, out_dir, max_batch_tokens=max_batch_tokens, extra_layers=extra_layers)
     return {"file": str(data_path), "sha256": sha256_file(data_path), "conversations": len(conversations),
             "train_conversations": len(train), "heldout_conversations": len(heldout),
             "heldout_rule": f"sha256(base id)[:8] / 2**64 < {sharegpt.HELDOUT_FRACTION}",
             "examples": len(examples), "tokens": tokens,
-            "answer_tokens": sum(sum(ex.is_answer) for ex in examples), "seq_len": seq_len}
+            "answer_tokens": sum(sum(ex.is_answer) for ex in examples), "seq_len": seq_len,
+            "extra_layers": list(extra_layers)}
 
 
 def set_threads(threads: int | None) -> None:

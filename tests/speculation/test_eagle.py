@@ -49,35 +49,42 @@ def test_greedy_is_exact_and_drafts_are_accepted(one_layer, batch):
     assert stats.accepted_per_pos[1] > 0.2 * stats.steps, "and accepted often, two levels deep"
 
 
-def test_target_features_reach_the_head_aligned(tiny_models, monkeypatch, tmp_path):
-    """Every position's last-layer feature arrives once, in order, equal to a full forward's (prefill, plain and
-    tree steps, uneven batch)."""
+@pytest.mark.parametrize("multi_layer", [False, True])
+def test_target_features_reach_the_head_aligned(tiny_models, monkeypatch, tmp_path, multi_layer):
+    """Every position's features (the last layer's; or, EAGLE-3-style, several layers' reduced) arrive once, in
+    order, equal to a full forward's (prefill, plain and tree steps, uneven batch); greedy output stays plain's."""
     target = load_target(tiny_models["target"])
+    last = target.config.num_hidden_layers - 1
     torch.manual_seed(0)
-    save_speculator(EagleHead(target, torch.arange(target.config.vocab_size)), target, tmp_path / "head")
+    head = EagleHead(target, torch.arange(target.config.vocab_size), (0, last) if multi_layer else None)
+    save_speculator(head, target, tmp_path / "head", feature_layers=[0, last] if multi_layer else None)
     seen = {}
     real = EagleProposer.observe_target
 
     def spy(self, seqs, features):
+        assert sorted(features.layers) == ([0, last] if multi_layer else [last])
         for b, (seq, n) in enumerate(zip(seqs, features.counts)):
-            seen.setdefault(seq.request_id, []).append(features.layers[self.layer][b, :n].clone())
+            seen.setdefault(seq.request_id, []).append({i: h[b, :n].clone() for i, h in features.layers.items()})
         real(self, seqs, features)
 
     monkeypatch.setattr(EagleProposer, "observe_target", spy)
     config = {"method": "eagle", "model": str(tmp_path / "head"), "num_speculative_tokens": 3, "adaptive": False}
     llm = LLM(str(tiny_models["target"]), dtype="float32", speculative_config=config, max_num_seqs=3)
+    assert llm.proposer.head.feature_layers == ((0, last) if multi_layer else (last,))
     params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
               SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=1),
               SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, use_speculation=False)]
     outputs = llm.generate(PROMPTS[:3], params)
-    layer = target.config.num_hidden_layers - 1
+    plain = LLM(str(tiny_models["target"]), dtype="float32").generate(PROMPTS[:1], params[0])
+    assert outputs[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
     for out in outputs:
         ids = out.prompt_token_ids + out.outputs[0].token_ids
-        got = torch.cat(seen[out.request_id])  # [n, D]
         with torch.no_grad():
-            want = target(torch.tensor([ids[:-1]]), hidden_layers=(layer,)).layer_hidden[layer][0]
-        assert got.shape == want.shape
-        torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
+            want = target(torch.tensor([ids[:-1]]), hidden_layers=(0, last)).layer_hidden
+        for layer in seen[out.request_id][0]:
+            got = torch.cat([step[layer] for step in seen[out.request_id]])  # [n, D]
+            assert got.shape == want[layer][0].shape
+            torch.testing.assert_close(got, want[layer][0], atol=1e-3, rtol=1e-3)
     assert llm.total_stats.draft_tokens > 0
 
 

@@ -142,6 +142,49 @@ def test_eagle_unroll_equals_cached_drafting(cache):
         torch.testing.assert_close(out.logits[t], drafted[depth - 1], atol=1e-4, rtol=1e-4)
 
 
+def test_extra_layers_are_cached_and_feed_a_multi_layer_head(cache, tmp_path):
+    """EAGLE-3-style features: the cache keeps the extra layers' hidden states; the unrolled training forward of a
+    head reading layers (0, last) computes what drafting computes from the target's features; the head round-trips
+    through its directory, and a cache without the layers is refused."""
+    target, examples, _ = cache
+    last = target.config.num_hidden_layers - 1
+    folder = tmp_path / "features"
+    features.extract(target, examples, folder, shard_tokens=40, max_batch_tokens=64, extra_layers=(0,))
+    shards = features.open_cache(folder)
+    seq = shards[0].sequence(0)
+    with torch.no_grad():
+        want = target(seq["tokens"][None], hidden_layers=(0,)).layer_hidden[0][0]
+    torch.testing.assert_close(seq["extra"][:, 0].float(), want, atol=0.05, rtol=0.02)  # stored in bf16
+    with pytest.raises(ConfigError, match="extra feature layers"):
+        features.extract(target, examples, tmp_path / "bad", extra_layers=(last,))
+
+    d2t = torch.arange(target.config.vocab_size)
+    torch.manual_seed(1)
+    head = EagleHead(target, d2t, (0, last)).requires_grad_(False)
+    for p in [*head.decoder.model.layers.parameters(), *head.reduce.parameters()]:
+        p.normal_(0, 0.1)
+    batch = features.sample_batch(shards, 1, seed=0, step=0)
+    batch.is_answer[:] = True
+    t = 4
+    steps = list(eagle_unroll(head, batch, speculators.target_to_draft_map(d2t, len(d2t)), HeadLossConfig(unroll=2)))
+    hidden = batch.layer_features((0, last), last)
+    root = head.target_features([h[0, :t + 1] for h in hidden])  # what the proposer makes of the target's pass
+    kv = head.decoder.make_cache(1, 64)
+    h, logits = head(batch.tokens[0, 1:t + 2][None], root[None], cache=kv)
+    kv.advance(torch.tensor([0]), t + 1)
+    _, logits2 = head(batch.tokens[0, t + 2:t + 3][None], h[:, -1:], cache=kv)
+    torch.testing.assert_close(steps[0].logits[t], logits[0, -1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(steps[1].logits[t], logits2[0, -1], atol=1e-4, rtol=1e-4)
+
+    digest = weights_digest(target)
+    save_head(head, HeadConfig("eagle", digest, len(d2t), feature_layers=[0, last]), tmp_path / "head", "card")
+    loaded = load_head(tmp_path / "head", target, digest)
+    assert loaded.feature_layers == (0, last) and "reduce.weight" in loaded.trainable_state()
+    single = features.sample_batch(features.open_cache(cache[2]), 1, seed=0, step=0)
+    with pytest.raises(ConfigError, match="lacks layers"):
+        single.layer_features((0, last), last)
+
+
 def test_head_losses_train_and_round_trip(cache, tmp_path):
     target, examples, folder = cache
     shards = features.open_cache(folder)

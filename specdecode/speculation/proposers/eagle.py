@@ -56,12 +56,11 @@ class EagleProposer:
         """What one draft level runs (see Proposer)."""
         return self.model
 
-    def __init__(self, config: EagleConfig, head: EagleHead, target_layers: int):
+    def __init__(self, config: EagleConfig, head: EagleHead):
         self.config = config
         self.head = head
         self.model = head.decoder  # what the cost model times as one draft forward (LLM.make_controller)
-        self.feature_request = FeatureRequest(layers=(target_layers - 1,))
-        self.layer = target_layers - 1
+        self.feature_request = FeatureRequest(layers=head.feature_layers)
         self.cache = None
         self.unread: dict[str, list[torch.Tensor]] = {}  # request -> target features [n, D] not yet in the head's cache
         self.added: set[str] = set()  # requests whose entries are in the head's cache
@@ -74,7 +73,7 @@ class EagleProposer:
     # -- sequences ------------------------------------------------------------------------------------------
 
     def observe_target(self, seqs, features: TargetFeatures) -> None:
-        hidden = features.layers[self.layer]  # [B, A, D]
+        hidden = self.head.target_features([features.layers[i] for i in self.head.feature_layers])  # [B, A, D]
         for b, (seq, n) in enumerate(zip(seqs, features.counts)):
             self.unread.setdefault(seq.request_id, []).append(hidden[b, :n].clone())
 
@@ -251,7 +250,7 @@ def _build(config, context) -> EagleProposer:
 
     head = load_head(config, context.target, "eagle")
     eagle = EagleConfig(str(config.model), config.num_speculative_tokens, config.eagle_topk, config.nodes_per_level)
-    return EagleProposer(eagle, head, context.target.config.num_hidden_layers)
+    return EagleProposer(eagle, head)
 
 
 METHOD = Method("eagle", _build, model="speculator", model_required=True, options=("eagle_topk", "num_tree_nodes"),
