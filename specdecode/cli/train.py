@@ -148,7 +148,7 @@ def cmd_features(args) -> int:
     from specdecode.train import speculators
 
     args.model = resolve_model(args.model)
-    target = load_model(args.model, dtype=args.dtype, device="cpu")
+    target = load_model(args.model, dtype=args.dtype, device=args.device)
     data = speculators.build_feature_cache(target, Tokenizer(args.model), speculators.resolve_data(args.data),
                                            args.out, args.max_tokens, args.seq_len, extra_layers=args.extra_layers)
     data["target_sha256"] = weights_digest(target)
@@ -230,6 +230,7 @@ def register(sub) -> None:
     p.add_argument("--extra-layers", type=int_list, default=(),
                    help="comma-separated target layers whose hidden states are cached too, beside the last layer's "
                         "(for `train eagle --feature-layers`, EAGLE-3-style multi-layer features)")
+    p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
     _threads_arg(p)
     p.set_defaults(func=cmd_features)
 
@@ -284,6 +285,7 @@ def register(sub) -> None:
         p.add_argument("--draft-hidden", type=POSITIVE, default=256, help="draft: width (embedding = the target's, "
                        "projected onto its top principal directions)")
         p.add_argument("--draft-layers", type=POSITIVE, default=2, help="draft: decoder layers")
+        p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
         p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True,
                        help="bfloat16 autocast (this CPU's bf16 dot products); --no-bf16 for float32")
         _threads_arg(p)

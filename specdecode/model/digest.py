@@ -18,5 +18,5 @@ def weights_digest(model) -> str:
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
             continue
         digest.update(name.encode())
-        digest.update(tensor.detach().to(torch.bfloat16).contiguous().view(torch.int16).numpy().tobytes())
+        digest.update(tensor.detach().to(torch.bfloat16).cpu().contiguous().view(torch.int16).numpy().tobytes())
     return digest.hexdigest()

@@ -117,7 +117,8 @@ def _run_target(target, batch: list[Example], top_k: int, extra_layers: tuple[in
     top_probs = torch.cat(top_probs).view(len(batch), T, top_k)
     for row, ex in enumerate(batch):
         n = len(ex.ids)
-        yield feats[row, :n], top_ids[row, :n], top_probs[row, :n], None if extra is None else extra[row, :n]
+        yield (feats[row, :n].cpu(), top_ids[row, :n].cpu(), top_probs[row, :n].cpu(),
+               None if extra is None else extra[row, :n].cpu())
 
 
 def _write_shard(folder: Path, examples: list[Example], outputs: list, hidden: int, top_k: int,
@@ -209,6 +210,14 @@ class FeatureBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.valid.sum())
+
+    def to(self, device: torch.device) -> "FeatureBatch":
+        """The same batch on another device (itself on its own)."""
+        if self.tokens.device == torch.device(device):
+            return self
+        moved = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return FeatureBatch(**{k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+                               for k, v in moved.items()})
 
 
 def sample_batch(shards: list[Shard], batch_tokens: int, seed: int, step: int, max_len: int | None = None

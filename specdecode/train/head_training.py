@@ -37,7 +37,7 @@ def _feature_cache(args, tokenizer, data_path: Path, folder: Path, max_tokens: i
     else:
         from specdecode.model.loading import load_model
 
-        target = load_model(args.model, dtype=args.feature_dtype, device="cpu")
+        target = load_model(args.model, dtype=args.feature_dtype, device=args.device)
         if heldout:
             examples = speculators.heldout_examples(tokenizer, data_path, max_tokens, args.seq_len)
             tokens = features.extract(target, examples, folder, extra_layers=extra_layers)
@@ -51,10 +51,10 @@ def _feature_cache(args, tokenizer, data_path: Path, folder: Path, max_tokens: i
 
 
 def _loss_fn(kind: str, target, t2d: torch.Tensor, loss_cfg: HeadLossConfig, bf16: bool):
-    generator = torch.Generator().manual_seed(0)
+    generator = torch.Generator().manual_seed(0)  # on the CPU whatever the device: the same noise on any machine
 
     def loss_fn(head, batch):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        with torch.autocast(t2d.device.type, dtype=torch.bfloat16, enabled=bf16):
             if kind == "eagle":
                 return eagle_loss(head, batch, t2d, loss_cfg, generator if head.training else None)
             if kind == "draft":
@@ -71,7 +71,7 @@ def heldout_accuracy(kind: str, head, shards, t2d: torch.Tensor, target, loss_cf
     head.eval()
     hits, counts = None, None
     for b in range(batches):
-        batch = features.sample_batch(shards, batch_tokens, seed=12345, step=b)
+        batch = features.sample_batch(shards, batch_tokens, seed=12345, step=b).to(t2d.device)
         ranks = _greedy_ranks(kind, head, batch, t2d, target, loss_cfg)
         if hits is None:
             hits = [[0] * len(RANKS) for _ in ranks]
@@ -97,7 +97,7 @@ def _greedy_ranks(kind, head, batch, t2d, target, loss_cfg) -> list[torch.Tensor
         order = out.logits.float().topk(max(RANKS), dim=-1).indices  # [N, R]
         match = order == out.topk_draft[:, :1]
         ranks.append(torch.where(match.any(-1), match.float().argmax(-1), torch.full_like(match[:, 0], 10**6,
-                                                                                          dtype=torch.long)))
+                                                                                          dtype=torch.long)).cpu())
     return ranks
 
 
@@ -110,8 +110,11 @@ def run(args) -> int:
 
     from specdecode.catalog.registry import resolve_model
 
+    from specdecode.model.loading import resolve_device
+
     speculators.set_threads(args.threads)
     kind = args.kind
+    args.device = resolve_device(args.device)
     args.model = resolve_model(args.model)
     tokenizer = Tokenizer(args.model)
     data_path = speculators.resolve_data(args.data)
@@ -122,6 +125,7 @@ def run(args) -> int:
     held = _feature_cache(args, tokenizer, data_path, args.features / "heldout", args.heldout_tokens, True, extra)
     target = load_model(args.model, dtype="float32", device="cpu").requires_grad_(False)
     digest = weights_digest(target)
+    target = target.to(args.device)
     torch.manual_seed(args.seed)
     if kind == "draft":  # a whole model in the target's vocabulary
         d2t = torch.arange(target.config.vocab_size)
@@ -132,14 +136,15 @@ def run(args) -> int:
                 else MedusaHeads(target, d2t, args.num_heads))
         if kind == "eagle":
             init_eagle(head, target, args.eagle_init)
-    t2d = speculators.target_to_draft_map(d2t, target.config.vocab_size)
+    head = head.to(args.device)
+    t2d = speculators.target_to_draft_map(d2t, target.config.vocab_size).to(args.device)
     loss_cfg = HeadLossConfig(unroll=args.unroll)
     cfg = loop.TrainConfig(steps=args.steps, batch_size=1, seq_len=args.batch_tokens, lr=args.lr,
                            warmup_steps=min(args.steps, 50), weight_decay=0.0, seed=args.seed,
                            checkpoint_every=25, log_every=5)
 
     def batch_at(step):
-        return features.sample_batch(shards, args.batch_tokens, cfg.seed, step, max_len=args.window)
+        return features.sample_batch(shards, args.batch_tokens, cfg.seed, step, max_len=args.window).to(args.device)
 
     started = time.time()
     if args.export_only:  # a run stopped before its schedule ended: export its last checkpoint as it is
@@ -151,6 +156,7 @@ def run(args) -> int:
                              resume=args.resume, desc=f"train {kind}")
     summary["scheduled_steps"] = cfg.steps
     accuracy = heldout_accuracy(kind, head, held, t2d, target, loss_cfg)
+    head = head.cpu()  # exported from the CPU (an EAGLE head takes the target's embedding along: no longer needed)
     data = json.loads((args.features / "data.json").read_text())
     heldout_data = json.loads((args.features / "heldout" / "data.json").read_text())
     argv = [a for a in sys.argv[1:] if a not in ("--resume", "--export-only")]

@@ -53,9 +53,9 @@ class _UnrolledContext:
     so far (the first from real features) and lets query t see step-1 keys <= t and, of every later step, only
     its own position t."""
 
-    def __init__(self, T: int):
-        self.causal = torch.ones(T, T, dtype=torch.bool).tril()
-        self.eye = torch.eye(T, dtype=torch.bool)
+    def __init__(self, T: int, device: torch.device):
+        self.causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+        self.eye = torch.eye(T, dtype=torch.bool, device=device)
         self.keys, self.values = [], []
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -89,15 +89,16 @@ def eagle_unroll(head: EagleHead, batch: FeatureBatch, target_to_draft: torch.Te
     if generator is not None and cfg.noise > 0:
         # Relative to each value: an additive scale from the RMS would swamp the ordinary dimensions, since a
         # few outlier dimensions dominate the RMS of the residual stream.
-        hidden = [h * (1 + cfg.noise * (torch.rand(h.shape, generator=generator) * 2 - 1)) for h in hidden]
+        hidden = [h * (1 + cfg.noise * (torch.rand(h.shape, generator=generator).to(h.device) * 2 - 1))
+                  for h in hidden]
     feature_in = head.target_features(hidden)
     real_normed = norm(real)
     topk_draft = target_to_draft[batch.topk_ids]  # [B, T, K]
-    ctx = _UnrolledContext(T)
+    ctx = _UnrolledContext(T, real.device)
     for s in range(1, cfg.unroll + 1):
         # Index t of this step reads token_{t+s} and the feature of position t+s-1, and predicts position t+s.
         x = head.fuse(_shift(batch.tokens, s), feature_in)  # [B, T, D]
-        cos, sin = head.decoder.rotary((torch.arange(T) + s - 1).expand(B, T))
+        cos, sin = head.decoder.rotary((torch.arange(T, device=real.device) + s - 1).expand(B, T))
         out = layer(x.reshape(B * T, -1), cos, sin, ctx).view(B, T, -1)  # predicted feature_{t+s}
         selected = _shift(batch.valid & batch.is_answer, s)  # [B, T]
         predicted = norm(out)[selected]  # [N, D]
