@@ -34,16 +34,28 @@ def _count(value) -> str:
     return f"{value:,}" if isinstance(value, int) else str(value)
 
 
-def render(table: dict, folder: Path, stem: str) -> None:
-    rows = table["entries"]
-    lines = [f"# {table.get('title', 'Speculator ablations')}", "", table.get("intro", ""), "",
+def table_lines(table: dict) -> list[str]:
+    lines = [table.get("intro", ""), "",
              "| head | held-out | steps | tokens seen | minutes | top-1 per depth | top-5 per depth |",
              "|---|---|---|---|---|---|---|"]
-    for r in rows:
+    for r in table["entries"]:
         lines.append(f"| {r['name']} | {r['heldout']} | {r['steps']} | {_count(r['tokens_seen'])} | {r['minutes']} | "
                      + " / ".join(f"{a:.1%}" for a in r["top1"]) + " | "
                      + " / ".join(f"{a:.1%}" for a in r["top5"]) + " |")
-    lines += ["", "Commands:", ""] + [f"- {r['name']}: `{r['command']}`" for r in rows] + [""]
+    return lines + ["", "Commands:", ""] + [f"- {r['name']}: `{r['command']}`" for r in table["entries"]] + [""]
+
+
+def write_card_section(table: dict, card: Path) -> None:
+    """Put the table into a speculator's card as its "## Ablations" section (replacing an older one)."""
+    text = card.read_text()
+    head, _, rest = text.partition("\n## Ablations\n")
+    tail = rest[rest.find("\n## "):] if "\n## " in rest else ""
+    card.write_text(head.rstrip("\n") + "\n\n## Ablations\n\n" + "\n".join(table_lines(table)) + tail)
+
+
+def render(table: dict, folder: Path, stem: str) -> None:
+    rows = table["entries"]
+    lines = [f"# {table.get('title', 'Speculator ablations')}", ""] + table_lines(table)
     (folder / f"{stem}.md").write_text("\n".join(lines))
 
     import matplotlib
@@ -52,14 +64,14 @@ def render(table: dict, folder: Path, stem: str) -> None:
 
     depths = max(len(r["top1"]) for r in rows)
     width = 0.8 / len(rows)
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, ax = plt.subplots(figsize=(8, 5))
     for i, r in enumerate(rows):
         xs = [d + i * width for d in range(len(r["top1"]))]
         ax.bar(xs, [100 * a for a in r["top1"]], width, label=r["name"])
     ax.set_xticks([d + 0.4 - width / 2 for d in range(depths)], [f"depth {d + 1}" for d in range(depths)])
     ax.set_ylabel("held-out top-1 (%)")
     ax.set_title(table.get("title", "Speculator ablations"))
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=2, frameon=False)
     fig.tight_layout()
     fig.savefig(folder / f"{stem}.png", dpi=120)
 
@@ -69,6 +81,8 @@ def main() -> None:
     parser.add_argument("--table", type=Path, required=True, help="the table file (JSON), created when missing")
     parser.add_argument("--add", action="append", default=[], metavar="NAME=DIR",
                         help="record the head trained into DIR (its training.json) under NAME")
+    parser.add_argument("--card", type=Path, action="append", default=[],
+                        help="a speculator's README.md that gets the table as its Ablations section")
     args = parser.parse_args()
     table = json.loads(args.table.read_text()) if args.table.is_file() else {"entries": []}
     for item in args.add:
@@ -78,6 +92,8 @@ def main() -> None:
     args.table.parent.mkdir(parents=True, exist_ok=True)
     args.table.write_text(json.dumps(table, indent=1) + "\n")
     render(table, args.table.parent, args.table.stem)
+    for card in args.card:
+        write_card_section(table, card)
 
 
 if __name__ == "__main__":

@@ -73,9 +73,11 @@ class EagleProposer:
     # -- sequences ------------------------------------------------------------------------------------------
 
     def observe_target(self, seqs, features: TargetFeatures) -> None:
-        hidden = self.head.target_features([features.layers[i] for i in self.head.feature_layers])  # [B, A, D]
+        # Kept as the target gave them, per layer: a multi-layer head's reduce runs once over all the unread
+        # positions when the head next reads them, not once a step (adaptive steps that do not draft read nothing).
+        hidden = [features.layers[i] for i in self.head.feature_layers]  # each [B, A, D]
         for b, (seq, n) in enumerate(zip(seqs, features.counts)):
-            self.unread.setdefault(seq.request_id, []).append(hidden[b, :n].clone())
+            self.unread.setdefault(seq.request_id, []).append(tuple(h[b, :n].clone() for h in hidden))
 
     def remove(self, seq) -> None:
         self.unread.pop(seq.request_id, None)
@@ -93,20 +95,23 @@ class EagleProposer:
         f_j for j from the cache length to len(token_ids) - 2 (all but the last when keep_last)."""
         tokens, feats = [], []
         for seq, fed in zip(seqs, self.cache.lengths[[s.slot for s in seqs]].tolist()):
-            unread = torch.cat(self.unread.get(seq.request_id, []) or [self.empty()])
+            pending = self.unread.get(seq.request_id) or [self.empty()]
+            unread = [torch.cat([entry[j] for entry in pending]) for j in range(len(pending[0]))]  # per layer
             tail = seq.token_ids[fed + 1:]
-            if len(tail) != len(unread):
-                raise RuntimeError(f"eagle: request {seq.request_id} has {len(tail)} new tokens but {len(unread)} "
-                                   "target features; observe_target missed a step")
+            if len(tail) != len(unread[0]):
+                raise RuntimeError(f"eagle: request {seq.request_id} has {len(tail)} new tokens but "
+                                   f"{len(unread[0])} target features; observe_target missed a step")
             cut = len(tail) - 1 if keep_last else len(tail)
             tokens.append(tail[:cut])
-            feats.append(unread[:cut])
-            self.unread[seq.request_id] = [unread[cut:]]
+            feats.append(self.head.target_features([h[:cut] for h in unread]).to(self.head.decoder.dtype))
+            self.unread[seq.request_id] = [tuple(h[cut:] for h in unread)]
         return tokens, feats
 
-    def empty(self) -> torch.Tensor:
+    def empty(self) -> tuple[torch.Tensor, ...]:
+        """No positions, per feature layer."""
         d = self.head.decoder.config.hidden_size
-        return torch.zeros(0, d, dtype=self.head.decoder.dtype, device=self.head.decoder.device)
+        return tuple(torch.zeros(0, d, dtype=self.head.decoder.dtype, device=self.head.decoder.device)
+                     for _ in self.head.feature_layers)
 
     def _read(self, seqs, tokens: list[list[int]], feats: list[torch.Tensor]) -> torch.Tensor:
         """Run the head over each sequence's new entries and commit them; returns the outputs [B, T, D]."""
