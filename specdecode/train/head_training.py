@@ -103,14 +103,12 @@ def _greedy_ranks(kind, head, batch, t2d, target, loss_cfg) -> list[torch.Tensor
 
 def run(args) -> int:
     """Train one head as `args` says and write its speculator directory."""
-    from specdecode.model.loading import load_model, read_config
+    from specdecode.model.loading import load_model, read_config, resolve_device
     from specdecode.model.tokenizer import Tokenizer
     from specdecode.speculation.heads import EagleHead, HeadConfig, MedusaHeads, save_head
     from specdecode.train.heads import draft_from_target
 
     from specdecode.catalog.registry import resolve_model
-
-    from specdecode.model.loading import resolve_device
 
     speculators.set_threads(args.threads)
     kind = args.kind
@@ -162,7 +160,8 @@ def run(args) -> int:
     argv = [a for a in sys.argv[1:] if a not in ("--resume", "--export-only")]
     info = {"kind": kind, "command": "specdecode " + " ".join(shlex.quote(a) for a in argv),
             "target": str(args.model), "target_sha256": digest, "data": data, "heldout_data": heldout_data,
-            "draft_vocab_size": len(d2t), "feature_layers": list(feature_layers) or [last], "train": summary, "this_run_wall_time_s": round(time.time() - started, 1),
+            "draft_vocab_size": len(d2t), "feature_layers": list(getattr(head, "feature_layers", ())) or None,
+            "train": summary, "this_run_wall_time_s": round(time.time() - started, 1),
             "heldout_topk_accuracy": {"ranks": list(RANKS), "per_depth": accuracy}}
     if kind == "draft":
         save_draft(head, tokenizer, args.out, card(info))
@@ -170,7 +169,7 @@ def run(args) -> int:
         config = HeadConfig(kind=kind, target_sha256=digest, draft_vocab_size=len(d2t),
                             num_heads=args.num_heads if kind == "medusa" else 1,
                             topk_accuracy=[row[:] for row in accuracy], topk_ranks=list(RANKS),
-                            feature_layers=sorted(set(feature_layers)) if len(set(feature_layers)) > 1 else None)
+                            feature_layers=list(head.feature_layers) if kind == "eagle" and extra else None)
         save_head(head, config, args.out, card(info))
     (Path(args.out) / "training.json").write_text(json.dumps(info, indent=1) + "\n")
     print(json.dumps(info["heldout_topk_accuracy"], indent=1))

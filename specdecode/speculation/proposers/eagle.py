@@ -62,7 +62,8 @@ class EagleProposer:
         self.model = head.decoder  # what the cost model times as one draft forward (LLM.make_controller)
         self.feature_request = FeatureRequest(layers=head.feature_layers)
         self.cache = None
-        self.unread: dict[str, list[torch.Tensor]] = {}  # request -> target features [n, D] not yet in the head's cache
+        # request -> the target's hidden states not yet in the head's cache: per pass, one [n, D] per feature layer
+        self.unread: dict[str, list[tuple[torch.Tensor, ...]]] = {}
         self.added: set[str] = set()  # requests whose entries are in the head's cache
 
     def ensure_cache(self, slots: int, max_len: int) -> None:
