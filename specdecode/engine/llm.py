@@ -15,7 +15,7 @@ import torch
 from tqdm import tqdm
 
 from specdecode.engine.budget import DraftBudget
-from specdecode.engine.parts import load_target, make_controller, plan_batch
+from specdecode.engine.parts import fit_tree_width, load_target, make_controller, plan_batch
 from specdecode.engine.scheduler import Scheduler
 from specdecode.engine.sequence import RequestOutput, Sequence, SpecStats
 from specdecode.engine.step import StepRunner
@@ -89,7 +89,10 @@ class LLM:
         self.runner = StepRunner(self.target, self.proposer)
         self.runner.prefix_caching = bool(enable_prefix_caching)
         self.runner.chunked_prefill = bool(enable_chunked_prefill)
-        controller = self.make_controller() if self.spec_config and self.spec_config.adaptive else None
+        controller = None
+        if self.spec_config and self.spec_config.adaptive:
+            self.spec_config = fit_tree_width(self.target, self.proposer, self.spec_config)
+            controller = self.make_controller()
         self.draft_budget = DraftBudget(self.spec_config if self.proposer is not None else None,
                                         self.max_model_len, controller)
         self.total_stats = SpecStats()

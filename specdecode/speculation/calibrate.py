@@ -126,3 +126,13 @@ def measure_costs(target, draft, max_batch: int, max_k: int, nodes_per_level: in
                             context, repeats, max(deadline, time.perf_counter() + 0.25 * budget_seconds))
         draft_points = {b: _estimate(times, b, 1) for b in batches}
     return CostModel(target_points, draft_points, max_batch)
+
+
+def pass_times(model, widths: list[int], context: int = 128, repeats: int = 2,
+               budget_seconds: float = 3.0) -> dict[int, float]:
+    """Best seconds of a one-row cached pass of each width (1 = a plain step; more = a verified chain) after
+    `context` tokens; widths not measured within budget_seconds are interpolated from those that were."""
+    deadline = time.perf_counter() + budget_seconds
+    shapes = [(1, w) for w in sorted(set(widths))]
+    times = _best_times(model, model.make_cache(1, context + max(widths) + 1), shapes, context, repeats, deadline)
+    return {w: _estimate(times, 1, w) for w in widths}

@@ -164,6 +164,7 @@ def load_head(config: SpeculativeConfig, target, kind: str):
     """The heads of a speculator directory (eagle, medusa) for this target, with the target's linear kernels."""
     from specdecode.model.digest import weights_digest
     from specdecode.model.linear import linear_backend, prepare_for_inference
+    from specdecode.model.quant import quantize_linears, speculator_format
     from specdecode.speculation.heads import HeadConfig
     from specdecode.speculation.heads import load_head as read_head
 
@@ -176,4 +177,6 @@ def load_head(config: SpeculativeConfig, target, kind: str):
         raise ConfigError(f"{folder} holds a speculator of kind {found!r}, not {kind!r}: use --speculative-method "
                           f"{found} (method {found!r})")
     head = read_head(folder, target, weights_digest(target))  # ~1 s for SmolLM2
-    return prepare_for_inference(head, linear_backend(target))  # the target's linear kernels
+    head = prepare_for_inference(head, linear_backend(target))  # the target's linear kernels
+    fmt = speculator_format(target)
+    return quantize_linears(head, fmt) if fmt else head  # beside a quantized target: its fused kernels

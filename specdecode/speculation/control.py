@@ -18,6 +18,28 @@ MAX_PROBE_INTERVAL = 512
 """Most plain steps between two probes of a speculator whose drafts keep failing."""
 
 
+def best_tree_width(pass_time: dict[int, float], level_time: dict[int, float], accuracy: list[list[float]],
+                    max_k: int, candidates: list[int]) -> tuple[int, float]:
+    """(nodes per level n, expected speedup over plain decoding) of the tree shape with the most expected tokens per
+    second at batch 1: n nodes a level, up to max_k levels (the controller still picks the depth per step).
+    pass_time[w]: seconds of a one-row target pass of width w (pass_time[1] = a plain step); level_time[n]: seconds of
+    one drafting level of n nodes; accuracy[d][r]: P(the speculator's rank-r guess at depth d + 1 is the target's
+    token), its held-out figure (the last row stands in for deeper levels). A level of n nodes is taken to hold the
+    right token as often as the top n guesses do. Where verifying wide passes is about as cheap as one token (GPUs)
+    the widest candidate wins; on a CPU whose cost grows with the width, a chain may be the only tree that pays."""
+    plain = pass_time[1]
+    best = (max(candidates), 0.0)
+    for n in sorted(candidates, reverse=True):  # ties go to the wider tree
+        reach, tokens = 1.0, 1.0
+        for k in range(1, max_k + 1):
+            reach *= min(1.0, sum(accuracy[min(k, len(accuracy)) - 1][:n]))
+            tokens += reach
+            speedup = tokens * plain / (pass_time[1 + n * k] + k * level_time[n])
+            if speedup > best[1]:
+                best = (n, speedup)
+    return best
+
+
 class SpecController:
     """Chooses the draft length of each step and learns from what each step did.
 

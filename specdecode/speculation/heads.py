@@ -20,7 +20,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from specdecode.errors import CheckpointError
+from specdecode.errors import CheckpointError, ConfigError
 from specdecode.model.llama import LlamaForCausalLM
 
 
@@ -54,6 +54,24 @@ class HeadConfig:
             return cls(**{f.name: raw[f.name] for f in dataclasses.fields(cls) if f.name in raw})
         except (json.JSONDecodeError, UnicodeDecodeError, TypeError) as exc:
             raise CheckpointError(f"{path} is corrupt ({exc}); re-train or re-download the speculator") from exc
+
+
+def rank_accuracy(topk_accuracy: list[list[float]], ranks: list[int] | None = None) -> list[list[float]]:
+    """Per head, P(the head's rank-r token is the right one) for r = 1..max rank, from its cumulative top-r
+    accuracies measured at `ranks` (default 1, 2, ...); between measured ranks the cumulative accuracy is
+    interpolated linearly (from 0 at rank 0)."""
+    out = []
+    for row in topk_accuracy:
+        at = [0] + list(ranks or range(1, len(row) + 1))
+        values = [0.0] + [float(a) for a in row]
+        if len(at) != len(values) or any(a >= b for a, b in zip(at, at[1:])):
+            raise ConfigError(f"topk_accuracy rows must hold one accuracy per rank of {at[1:]}, got {row}")
+        cumulative = []
+        for r in range(1, at[-1] + 1):
+            j = next(i for i, x in enumerate(at) if x >= r)
+            cumulative.append(values[j - 1] + (values[j] - values[j - 1]) * (r - at[j - 1]) / (at[j] - at[j - 1]))
+        out.append([max(0.0, c - p) for c, p in zip(cumulative, [0.0] + cumulative[:-1])])
+    return out
 
 
 def draft_head_rows(target: LlamaForCausalLM, draft_to_target: torch.Tensor) -> nn.Linear:
@@ -151,8 +169,8 @@ class MedusaHeads(nn.Module):
         return {k: v for k, v in self.state_dict().items() if k.startswith("blocks.")}
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, D] (normed) -> logits [num_heads, N, Vd]."""
-        return torch.stack([self.lm_head(block(hidden)) for block in self.blocks])
+        """hidden [N, D] (normed) -> logits [num_heads, N, Vd] (one pass of the output rows for every head)."""
+        return self.lm_head(torch.stack([block(hidden) for block in self.blocks]))
 
 
 def save_head(head: EagleHead | MedusaHeads, config: HeadConfig, folder: Path, card: str) -> None:

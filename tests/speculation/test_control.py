@@ -8,7 +8,7 @@ import torch
 from specdecode.engine.step import StepReport
 from specdecode.sampling import SamplingParams
 from specdecode.speculation.calibrate import measure_costs
-from specdecode.speculation.control import SpecController
+from specdecode.speculation.control import SpecController, best_tree_width
 from specdecode.speculation.cost import CostModel, Curve
 
 BATCHES = (1, 2, 4, 8, 16, 32)
@@ -381,3 +381,24 @@ def test_drafting_steps_slower_than_plain_steps_stop(draft_wall, stops):
         assert choices.count(0) >= 15 and 1 in choices
     else:
         assert 0 not in choices
+
+
+ACCURACY = [[0.35, 0.11, 0.06, 0.06, 0.04, 0.03], [0.31, 0.1, 0.06]]
+"""Per depth, P(the rank-r guess is right): SmolLM2's shipped EAGLE head's card, roughly."""
+
+
+def test_tree_width_follows_what_a_wide_pass_costs():
+    levels = {1: 0.001, 2: 0.0012, 4: 0.0015}
+    flat = {w: 0.010 for w in range(1, 22)}  # a GPU: verifying 21 tokens costs what one does
+    assert best_tree_width(flat, levels, ACCURACY, 5, [1, 2, 4])[0] == 4
+    # This CPU: width 2 costs 1.05 plain steps, width 5 1.8, then ~0.45 a token.
+    cpu = {1: 0.020, 2: 0.021, 3: 0.026, 4: 0.031, 5: 0.036}
+    cpu.update({w: 0.036 + 0.009 * (w - 5) for w in range(6, 22)})
+    nodes, speedup = best_tree_width(cpu, levels, ACCURACY, 5, [1, 2, 4])
+    assert nodes == 1 and speedup > 1.0
+    # The expected speedup is the shape's expected tokens over its time: a 1-node level of acceptance 0.35.
+    assert speedup == pytest.approx(max(1.35 * 0.020 / (0.021 + 0.001),
+                                        (1.35 + 0.35 * 0.31) * 0.020 / (0.026 + 0.002)))
+    # A head that is never right: no shape pays (the controller then does not draft); the one that loses least is
+    # the cheapest, a one-token chain, which is also the cheapest probe.
+    assert best_tree_width(cpu, levels, [[0.0] * 6], 5, [1, 2, 4]) == (1, pytest.approx(0.020 / 0.022))

@@ -49,6 +49,34 @@ def test_greedy_is_exact_and_drafts_are_accepted(one_layer, batch):
     assert stats.accepted_per_pos[1] > 0.2 * stats.steps, "and accepted often, two levels deep"
 
 
+def test_beside_a_quantized_target_the_head_runs_its_fused_kernels(one_layer, tmp_path):
+    """With the target's matrices block-quantized, the head's are quantized too (Q8_0) and its layer runs through
+    the fused kernel; drafts stay good and greedy output stays the quantized target's own."""
+    from specdecode.model.loading import load_model
+    from specdecode.model.quant import QuantLinear, kernels
+
+    if kernels() is None:
+        pytest.skip("the quantized kernels cannot be compiled here")
+    quantized = load_model(one_layer / "target", dtype=torch.float32, quantization="q8_0").requires_grad_(False)
+    draft_to_target = torch.arange(3, quantized.config.vocab_size - 40)
+    save_speculator(copy_head(quantized, draft_to_target), quantized, tmp_path / "copy")
+    target = dict(model=str(one_layer / "target"), dtype="float32", quantization="q8_0", max_num_seqs=4)
+    plain = LLM(**target).generate(PROMPTS, GREEDY)
+    config = {"method": "eagle", "model": str(tmp_path / "copy"), "num_speculative_tokens": 4, "eagle_topk": 3,
+              "adaptive": False}
+    llm = LLM(**target, speculative_config=config)
+    head = llm.proposer.head
+    linears = [m for m in head.modules() if isinstance(m, torch.nn.Linear | QuantLinear)]
+    assert linears and all(isinstance(m, QuantLinear) and m.fmt == "q8_0" for m in linears)
+    assert head.decoder.fused_layers(llm.proposer.cache or head.decoder.make_cache(1, 8)) is not None
+    outputs = llm.generate(PROMPTS, GREEDY)
+    for prompt, want, got in zip(PROMPTS, plain, outputs):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids, prompt
+    stats = llm.total_stats
+    assert stats.accepted_tokens < stats.draft_tokens, "drafts must be rejected sometimes"
+    assert stats.accepted_per_pos[1] > 0.2 * stats.steps, "and accepted often, two levels deep"
+
+
 @pytest.mark.parametrize("multi_layer", [False, True])
 def test_target_features_reach_the_head_aligned(tiny_models, monkeypatch, tmp_path, multi_layer):
     """Every position's features (the last layer's; or, EAGLE-3-style, several layers' reduced) arrive once, in
@@ -191,6 +219,42 @@ def test_adaptive_trees_stay_exact(one_layer):
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in plain]
     assert llm.total_stats.drafts > 0
     assert sum(llm.controller.global_trials) > 30, "acceptance is learned per depth from the trees' steps"
+
+
+def test_the_adaptive_engine_sizes_the_tree_width_on_this_machine(one_layer, tmp_path, monkeypatch):
+    """A head whose card records its accuracies gets the nodes per level that best_tree_width picks from this
+    machine's timed passes; the config, the proposer and the controller agree on it; a num_tree_nodes that the
+    user gives is kept."""
+    import shutil
+
+    import specdecode.engine.parts as parts
+
+    head = tmp_path / "carded"
+    shutil.copytree(one_layer / "copy", head)
+    save_speculator(copy_head(load_target(one_layer / "target"), torch.arange(3, 60)), load_target(one_layer / "target"),
+                    head, topk_accuracy=[[0.35, 0.45, 0.5], [0.3, 0.4, 0.45]], topk_ranks=[1, 2, 4])
+    seen = {}
+
+    def pick(passes, levels, accuracy, depth, candidates):
+        seen.update(passes=passes, levels=levels, accuracy=accuracy, candidates=candidates)
+        return 2, 1.5
+
+    monkeypatch.setattr(parts, "best_tree_width", pick)
+    config = {"method": "eagle", "model": str(head), "num_speculative_tokens": 3}
+    llm = LLM(str(one_layer / "target"), dtype="float32", speculative_config=config, max_num_seqs=2)
+    assert seen["candidates"] == [1, 2, 4]
+    assert set(seen["passes"]) == {1} | {1 + n * k for n in (1, 2, 4) for k in (1, 2, 3)}
+    assert set(seen["levels"]) == {1, 2, 4} and all(t > 0 for t in seen["passes"].values())
+    assert seen["accuracy"][0] == pytest.approx([0.35, 0.1, 0.025, 0.025])  # per rank, from the cumulative card
+    assert llm.spec_config.num_tree_nodes == 6 and llm.proposer.config.nodes_per_level == 2
+    assert llm.controller.widths == [1, 3, 5, 7]
+    plain = LLM(str(one_layer / "target"), dtype="float32").generate(PROMPTS[:2], GREEDY)
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], GREEDY)] == \
+        [o.outputs[0].token_ids for o in plain]
+    seen.clear()
+    given = LLM(str(one_layer / "target"), dtype="float32", max_num_seqs=2,
+                speculative_config={**config, "num_tree_nodes": 12})
+    assert not seen and given.proposer.config.nodes_per_level == 4 and given.controller.widths == [1, 5, 9, 13]
 
 
 def test_cli_flags_name_the_speculator(one_layer, monkeypatch):

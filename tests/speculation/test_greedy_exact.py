@@ -62,6 +62,9 @@ def test_greedy_speculation_is_exact(tiny_models, reference, method, batch, quan
         pytest.skip("the quantized kernels cannot be compiled here")
     llm = LLM(str(tiny_models["target"]), dtype="float32", speculative_config=SPEC_CONFIGS[method](tiny_models),
               max_num_seqs=batch, quantization=quantization)
+    if method.startswith("draft") and quantization != "none":  # beside a quantized target, a quantized draft
+        from specdecode.model.quant import quantized_format
+        assert quantized_format(llm.proposer.model) == "q8_0"
     if batch == 1:
         outputs = [llm.generate(p, GREEDY)[0] for p in PROMPTS]
     else:

@@ -11,7 +11,8 @@ import torch
 import specdecode.speculation.verify as verify_module
 from specdecode.engine.llm import LLM
 from specdecode.sampling import SamplingParams
-from specdecode.speculation.proposers.medusa import greedy_tree, rank_accuracy
+from specdecode.speculation.heads import rank_accuracy
+from specdecode.speculation.proposers.medusa import greedy_tree
 from specdecode.speculation.tree import paths_to_parents
 
 from .heads_fixtures import (chi_square_p, correction_from_p, load_target, per_tree, save_speculator, target_text,

@@ -210,6 +210,7 @@ def _build(config, context) -> DraftModelProposer:
 
     from specdecode.model.config import ModelConfig
     from specdecode.model.loading import load_model
+    from specdecode.model.quant import speculator_format
     from specdecode.model.tokenizer import Tokenizer
     from specdecode.speculation.compat import check_compatible
 
@@ -217,7 +218,9 @@ def _build(config, context) -> DraftModelProposer:
     draft_cfg = ModelConfig.from_file(draft_dir / "config.json")
     check_compatible(context.tokenizer, Tokenizer(draft_dir, draft_cfg.eos_token_ids), context.target.config,
                      draft_cfg)
-    draft = load_model(draft_dir, dtype=context.dtype, device=context.device)
+    # Beside a block-quantized target the draft's matrices are quantized too (Q8_0), on the same fused kernels.
+    draft = load_model(draft_dir, dtype=context.dtype, device=context.device,
+                       quantization=speculator_format(context.target))
     return DraftModelProposer(DraftModelConfig(str(draft_dir), config.num_speculative_tokens, config.num_drafts),
                               draft)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
@@ -22,7 +23,7 @@ from torch.nn.utils.rnn import pad_sequence
 from specdecode.errors import ConfigError
 from specdecode.speculation.methods import Method
 from specdecode.sampling import params_tensors, processed_probs
-from specdecode.speculation.heads import EagleHead
+from specdecode.speculation.heads import EagleHead, HeadConfig, rank_accuracy
 from specdecode.speculation.proposers.base import FeatureRequest, TargetFeatures, race_perturbed
 from specdecode.speculation.tree import DraftTree
 
@@ -56,15 +57,22 @@ class EagleProposer:
         """What one draft level runs (see Proposer)."""
         return self.model
 
-    def __init__(self, config: EagleConfig, head: EagleHead):
+    def __init__(self, config: EagleConfig, head: EagleHead, rank_accuracy: list[list[float]] | None = None):
+        """rank_accuracy[d][r]: the head's held-out P(its rank-r guess at depth d + 1 is right), from its card (None
+        when the directory records none); the engine sizes the tree's width from it (engine/parts.fit_tree_width)."""
         self.config = config
         self.head = head
+        self.rank_accuracy = rank_accuracy
         self.model = head.decoder  # what the cost model times as one draft forward (LLM.make_controller)
         self.feature_request = FeatureRequest(layers=head.feature_layers)
         self.cache = None
         # request -> the target's hidden states not yet in the head's cache: per pass, one [n, D] per feature layer
         self.unread: dict[str, list[tuple[torch.Tensor, ...]]] = {}
         self.added: set[str] = set()  # requests whose entries are in the head's cache
+
+    def set_nodes_per_level(self, nodes: int) -> None:
+        """Verify at most `nodes` nodes per drafted level (the reranked tree of a d-level draft has nodes * d)."""
+        self.config.nodes_per_level = nodes
 
     def ensure_cache(self, slots: int, max_len: int) -> None:
         need = max_len + self.config.topk * self.config.max_depth + 2
@@ -256,7 +264,9 @@ def _build(config, context) -> EagleProposer:
 
     head = load_head(config, context.target, "eagle")
     eagle = EagleConfig(str(config.model), config.num_speculative_tokens, config.eagle_topk, config.nodes_per_level)
-    return EagleProposer(eagle, head)
+    card = HeadConfig.read(Path(config.model))
+    accuracy = rank_accuracy(card.topk_accuracy, card.topk_ranks) if card.topk_accuracy else None
+    return EagleProposer(eagle, head, accuracy)
 
 
 METHOD = Method("eagle", _build, model="speculator", model_required=True, options=("eagle_topk", "num_tree_nodes"),

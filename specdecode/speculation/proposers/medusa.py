@@ -22,7 +22,7 @@ import torch
 from specdecode.errors import ConfigError
 from specdecode.sampling import MIN_TEMPERATURE
 from specdecode.speculation.methods import Method
-from specdecode.speculation.heads import MedusaHeads
+from specdecode.speculation.heads import MedusaHeads, rank_accuracy
 from specdecode.speculation.proposers.base import FeatureRequest, TargetFeatures, WithoutDraftCache, race_perturbed
 from specdecode.speculation.tree import DraftTree, paths_to_parents
 
@@ -30,24 +30,6 @@ from specdecode.speculation.tree import DraftTree, paths_to_parents
 def default_rank_accuracy(num_heads: int, ranks: int = 10) -> list[list[float]]:
     """A guess for heads without measured accuracies: P(rank r of head i is right) = 0.6 * 0.75^i * 0.35^r."""
     return [[0.6 * 0.75 ** i * 0.35 ** r for r in range(ranks)] for i in range(num_heads)]
-
-
-def rank_accuracy(topk_accuracy: list[list[float]], ranks: list[int] | None = None) -> list[list[float]]:
-    """Per head, P(the head's rank-r token is the right one) for r = 1..max rank, from its cumulative top-r
-    accuracies measured at `ranks` (default 1, 2, ...); between measured ranks the cumulative accuracy is
-    interpolated linearly (from 0 at rank 0)."""
-    out = []
-    for row in topk_accuracy:
-        at = [0] + list(ranks or range(1, len(row) + 1))
-        values = [0.0] + [float(a) for a in row]
-        if len(at) != len(values) or any(a >= b for a, b in zip(at, at[1:])):
-            raise ConfigError(f"topk_accuracy rows must hold one accuracy per rank of {at[1:]}, got {row}")
-        cumulative = []
-        for r in range(1, at[-1] + 1):
-            j = next(i for i, x in enumerate(at) if x >= r)
-            cumulative.append(values[j - 1] + (values[j] - values[j - 1]) * (r - at[j - 1]) / (at[j] - at[j - 1]))
-        out.append([max(0.0, c - p) for c, p in zip(cumulative, [0.0] + cumulative[:-1])])
-    return out
 
 
 def greedy_tree(accuracy: list[list[float]], num_nodes: int) -> list[tuple[int, ...]]:
