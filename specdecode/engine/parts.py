@@ -43,7 +43,7 @@ def load_target(model_dir: Path, dtype, device: torch.device, quantization: str 
 
 
 def fit_tree_width(target, proposer, config: SpeculativeConfig) -> SpeculativeConfig:
-    """For a proposer whose trees may take any number of nodes per level (eagle) and a config that leaves it free
+    """For a proposer whose trees may take any number of nodes per level (eagle, medusa) and a config that leaves it free
     (no num_tree_nodes), the width that pays best on this machine: one-row target passes of the candidate shapes
     and the speculator's drafting levels are timed (~2 s), and the speculator's held-out accuracies give the
     expected tokens (control.best_tree_width). Returns the config with that tree (num_tree_nodes) and sets the
@@ -51,12 +51,14 @@ def fit_tree_width(target, proposer, config: SpeculativeConfig) -> SpeculativeCo
     about 1.8 plain steps to verify and a 1-node one 1.05, so the shipped EAGLE head (34% depth-1 acceptance)
     pays only as a chain."""
     accuracy = getattr(proposer, "rank_accuracy", None)
-    if config.num_tree_nodes is not None or accuracy is None or proposer.draft_network is None:
+    if config.num_tree_nodes is not None or accuracy is None:
         return config
     widest, depth = config.nodes_per_level, config.max_depth
     candidates = sorted({n for n in (1, 2, widest) if n <= widest})
     passes = pass_times(target, [1] + [1 + n * k for n in candidates for k in range(1, depth + 1)])
-    levels = pass_times(proposer.draft_network, candidates, budget_seconds=1.0)
+    network = proposer.draft_network  # None: drafting runs no network per level (Medusa's heads run once a step)
+    levels = (pass_times(network, candidates, budget_seconds=1.0) if network is not None
+              else dict.fromkeys(candidates, 0.0))
     nodes, _ = best_tree_width(passes, levels, accuracy, depth, candidates)
     proposer.set_nodes_per_level(nodes)
     return dataclasses.replace(config, num_tree_nodes=nodes * config.num_speculative_tokens)

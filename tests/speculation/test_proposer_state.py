@@ -63,7 +63,8 @@ def test_medusa_nodes_are_their_heads_guesses(medusa_llm, monkeypatch):
             with torch.no_grad():
                 hidden = target(torch.tensor([seq.token_ids[:-1]])).hidden[0, -1]  # [D], normed
                 ranked = heads.draft_to_target[heads(hidden[None])[:, 0].argsort(-1, descending=True)]  # [H, Vd]
-            paths = [p for p in proposer.paths if len(p) <= budget]
+            paths = proposer.paths_for(budget)  # the best tree of at most nodes_per_level * budget nodes
+            assert len(paths) <= proposer.nodes_per_level * budget and max(map(len, paths)) <= budget
             assert tree.tokens.tolist() == [int(ranked[len(p) - 1, p[-1]]) for p in paths]
 
     calls = spy(monkeypatch, proposer, "propose", check)

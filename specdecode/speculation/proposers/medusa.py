@@ -94,10 +94,25 @@ class MedusaProposer(WithoutDraftCache):
         self.heads = heads
         depth = min(config.max_depth, len(heads.blocks))
         vocab = len(heads.draft_to_target)
-        self.paths = greedy_tree([row[:vocab] for row in accuracy[:depth]], config.num_nodes)
-        self.ranks = 1 + max(max(p) for p in self.paths)  # top-k needed per head
+        self.rank_accuracy = [row[:vocab] for row in accuracy[:depth]]
+        """Per head, P(its rank-r guess is right) (what the tree is built from; the engine sizes its width by it)."""
         self.last_hidden: dict[str, torch.Tensor] = {}  # request -> normed hidden state [D] at its last position
+        self.set_nodes_per_level(math.ceil(config.num_nodes / config.max_depth), config.num_nodes)
+
+    def set_nodes_per_level(self, nodes: int, total: int | None = None) -> None:
+        """Build the static trees: `total` nodes at full depth (default nodes x the deepest level), and for a
+        shallower step of d levels the best tree of nodes x d nodes within them (what the speculation controller
+        prices a d-level step at)."""
+        self.nodes_per_level = nodes
+        self.config.num_nodes = total or nodes * self.config.max_depth
+        self.trees = {cap: self.paths_for(cap) for cap in range(1, self.config.max_depth + 1)}
+        self.paths = self.trees[self.config.max_depth]
+        self.ranks = 1 + max(max(path) for paths in self.trees.values() for path in paths)  # top-k needed per head
         self.subtrees: dict[int, tuple] = {}
+
+    def paths_for(self, cap: int) -> list[tuple[int, ...]]:
+        """The static tree of a step drafting `cap` levels: its paths (a rank per depth), parents first."""
+        return greedy_tree(self.rank_accuracy[:cap], min(self.config.num_nodes, self.nodes_per_level * cap))
 
     def observe_target(self, seqs, features: TargetFeatures) -> None:
         for b, (seq, n) in enumerate(zip(seqs, features.counts)):
@@ -113,9 +128,9 @@ class MedusaProposer(WithoutDraftCache):
         """Nothing to learn: the next hidden state comes through observe_target."""
 
     def subtree(self, cap: int) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
-        """The static tree's nodes at most `cap` levels deep: head index [n], rank [n] and parents."""
+        """The static tree of a `cap`-level step: head index [n], rank [n] and parents."""
         if cap not in self.subtrees:
-            paths = [p for p in self.paths if len(p) <= cap]
+            paths = self.trees[min(cap, self.config.max_depth)]
             self.subtrees[cap] = (torch.tensor([len(p) - 1 for p in paths], dtype=torch.long),
                                   torch.tensor([p[-1] for p in paths], dtype=torch.long), paths_to_parents(paths))
         return self.subtrees[cap]
