@@ -98,6 +98,27 @@ def test_eagle_keeps_its_own_entries_of_a_reused_prefix(one_layer):  # noqa: F81
     assert accepted[True] >= 0.9 * accepted[False]
 
 
+def test_eagle_reuses_a_prefix_before_it_ever_drafted(one_layer):  # noqa: F811
+    """An adaptive engine whose head has not drafted yet holds no head entries: the target's features that a
+    finished request left unread let the next request reuse the whole prefix the target holds, and when drafting
+    starts the head reads them (output as without the cache, and acceptance as high)."""
+    config = {"method": "eagle", "model": str(one_layer / "copy"), "num_speculative_tokens": 3, "adaptive": True}
+    results, accepted = {}, {}
+    for on in (True, False):
+        llm = LLM(str(one_layer / "target"), dtype="float32", max_num_seqs=4, speculative_config=config,
+                  enable_prefix_caching=on)
+        llm.controller.fixed_k = 0  # plain steps only: the head reads nothing
+        first = chat_turns(llm)
+        assert llm.total_stats.draft_tokens == 0 and not llm.proposer.added
+        hits = llm.runner.slots.stats.hits
+        assert (hits > 0) == on and (hits > 2 * len(SYSTEM) // 4) == on, "most of each prompt is reused"
+        llm.controller.fixed_k = 3  # now it drafts, its first entries from features that earlier requests left
+        results[on] = (first, chat_turns(llm), shared_system_prompt(llm))
+        accepted[on] = llm.total_stats.accepted_tokens / llm.total_stats.steps
+    assert results[True] == results[False]
+    assert accepted[True] >= 0.9 * accepted[False]
+
+
 # -- chunked prefill ----------------------------------------------------------------------------------------------
 
 def long_prompt_among_others(llm: LLM) -> list[list[int]]:

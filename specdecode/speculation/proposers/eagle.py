@@ -69,6 +69,11 @@ class EagleProposer:
         # request -> the target's hidden states not yet in the head's cache: per pass, one [n, D] per feature layer
         self.unread: dict[str, list[tuple[torch.Tensor, ...]]] = {}
         self.added: set[str] = set()  # requests whose entries are in the head's cache
+        self.start: dict[str, int] = {}  # request -> the head cache length its entries follow (its first unread)
+        # slot -> the hidden states a finished request left unread, of the positions after the slot's head entries:
+        # a later request reusing that prefix takes them (prefix caching reuses as much as the target holds,
+        # also when the head never drafted and so holds no entries of its own)
+        self.kept: dict[int, list[tuple[torch.Tensor, ...]]] = {}
 
     def set_nodes_per_level(self, nodes: int) -> None:
         """Verify at most `nodes` nodes per drafted level (the reranked tree of a d-level draft has nodes * d)."""
@@ -77,7 +82,11 @@ class EagleProposer:
     def ensure_cache(self, slots: int, max_len: int) -> None:
         need = max_len + self.config.topk * self.config.max_depth + 2
         if self.cache is None or self.cache.num_slots < slots or self.cache.max_len < need:
-            self.cache = self.head.decoder.make_cache(slots, need)
+            old = self.cache
+            self.cache = self.head.decoder.make_cache(max(slots, old.num_slots if old else 0),
+                                                      max(need, old.max_len if old else 0))
+            if old is not None:  # the entries (and `kept`, which follows them) stay reusable, as the target's rows do
+                old.copy_into(self.cache)
 
     # -- sequences ------------------------------------------------------------------------------------------
 
@@ -86,14 +95,37 @@ class EagleProposer:
         # positions when the head next reads them, not once a step (adaptive steps that do not draft read nothing).
         hidden = [features.layers[i] for i in self.head.feature_layers]  # each [B, A, D]
         for b, (seq, n) in enumerate(zip(seqs, features.counts)):
-            self.unread.setdefault(seq.request_id, []).append(tuple(h[b, :n].clone() for h in hidden))
+            if seq.request_id not in self.unread:  # its prefill's (first) pass
+                self.unread[seq.request_id] = self._reused(seq)
+            self.unread[seq.request_id].append(tuple(h[b, :n].clone() for h in hidden))
+
+    def _reused(self, seq) -> list[tuple[torch.Tensor, ...]]:
+        """A new request's features of the reused positions (Sequence.reused) that its slot's head entries do not
+        cover, from what the slot's last request left (kept); records where its own entries start."""
+        held = self._entries(seq.slot)
+        self.start[seq.request_id] = start = min(seq.reused, held)
+        kept = self.kept.pop(seq.slot, None)
+        if seq.reused <= start:
+            return []
+        joined = [torch.cat([entry[j] for entry in kept]) for j in range(len(kept[0]))]  # from position `held`
+        return [tuple(h[:seq.reused - start] for h in joined)]
+
+    def _entries(self, slot: int) -> int:
+        return int(self.cache.lengths[slot]) if self.cache is not None and 0 <= slot < self.cache.num_slots else 0
 
     def remove(self, seq) -> None:
-        self.unread.pop(seq.request_id, None)
+        unread = self.unread.pop(seq.request_id, None)
+        start = self.start.pop(seq.request_id, None)
+        if self.cache is None or not 0 <= seq.slot < self.cache.num_slots:
+            return
         if seq.request_id in self.added:
-            self.added.discard(seq.request_id)
-        elif self.cache is not None and 0 <= seq.slot < self.cache.num_slots:
-            self.cache.lengths[seq.slot] = 0  # the slot's entries are an older request's: nothing to reuse
+            self.added.discard(seq.request_id)  # its entries stay, followed by what it left unread
+        else:  # the slot's entries are an older request's: valid for this one's tokens up to where its own began
+            self.cache.lengths[seq.slot] = start or 0
+        if unread:
+            self.kept[seq.slot] = unread
+        else:
+            self.kept.pop(seq.slot, None)
 
     def observe(self, seqs, trees, results) -> None:
         """Nothing to keep: drafted entries carry predicted features; the accepted tokens are re-read next step
@@ -136,14 +168,17 @@ class EagleProposer:
 
     @torch.no_grad()
     def held_prefix(self, slot: int) -> int:
-        """Entries j < n of the slot's head cache hold (x_{j+1}, f_j) of its last request: a new request sharing
-        its first n + 1 tokens may keep them, and the target then reruns its prompt from position n."""
-        return int(self.cache.lengths[slot]) if self.cache is not None and slot < self.cache.num_slots else 0
+        """Entries j < n of the slot's head cache hold (x_{j+1}, f_j) of its last request, and `kept` the target's
+        features of the positions after them that it left unread: a new request sharing its first tokens may reuse
+        that many target positions (it takes the kept features of those it reuses)."""
+        kept = self.kept.get(slot)
+        return self._entries(slot) + (sum(len(entry[0]) for entry in kept) if kept else 0)
 
     def add(self, seqs) -> None:
         """The head's prefill: every committed entry but the last (whose output proposes the first tree), after the
-        entries a reused prefix left in the slot (Sequence.reused: the target's features start there)."""
-        self.cache.rollback(torch.tensor([s.slot for s in seqs]), torch.tensor([s.reused for s in seqs]))
+        entries a reused prefix left in the slot (where its unread features start, see _reused)."""
+        starts = torch.tensor([self.start[s.request_id] for s in seqs])
+        self.cache.rollback(torch.tensor([s.slot for s in seqs]), starts)
         self.added.update(s.request_id for s in seqs)
         tokens, feats = self._tails(seqs, keep_last=True)
         rows = [b for b, t in enumerate(tokens) if t]
