@@ -64,7 +64,8 @@ A shipped speculator is an entry here, e.g. {"method": "eagle", "model": "<path 
 
 
 SHIPPED_SPECULATORS: dict[str, dict[str, str]] = {
-    # trained by `specdecode train eagle|medusa|draft` on ShareGPT; each directory holds its card (README.md)
+    # trained by `specdecode train eagle|medusa|draft` on SmolLM2's own answers (corpus/smollm2-selfdistill-v2); each
+    # directory holds its card (README.md)
     "smollm2-135m-instruct": {"eagle": "smollm2/eagle", "medusa": "smollm2/medusa", "draft_model": "smollm2/draft"},
 }
 """Named model -> {speculative method: its speculator directory, relative to this package's folder}: what
