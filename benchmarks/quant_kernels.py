@@ -58,7 +58,7 @@ def main() -> None:
     model = load_model(args.model, dtype="float32", quantization="gguf")
     linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
     macs = sum(m.in_features * m.out_features for m in linears)
-    weight_bytes = sum(m.qweight.numel() for m in linears)
+    weight_bytes = sum(m.bytes_read() for m in linears)
     from specdecode.model.quant import kernels
     common = {"tag": args.tag, "isa": kernels().instruction_set()}
     builds = {"this": kernels()}

@@ -144,10 +144,10 @@ def quantized_bytes_per_weight(model_dir: Path, quantization: str | None) -> flo
     """Bytes per weight of a kept-quantized target's matrices: a format's block size, or for 'gguf' the file's
     own average (its size over its weights: an upper bound, the file also holds the tokenizer); None for float."""
     from specdecode.model.gguf import find_gguf
-    from specdecode.model.quant import BLOCK_BYTES
+    from specdecode.model.quant import BLOCKS, bytes_per_weight
 
-    if quantization in BLOCK_BYTES:
-        return BLOCK_BYTES[quantization] / 32
+    if quantization in BLOCKS:
+        return bytes_per_weight(quantization)
     if quantization != "gguf":
         return None
     from specdecode.model.loading import read_config

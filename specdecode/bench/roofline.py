@@ -46,7 +46,7 @@ def weight_bytes_per_step(model: LlamaForCausalLM) -> int:
             counted.update(id(t) for t in (module.weight, module.bias) if t is not None)
         elif isinstance(module, QuantLinear):
             total += module.bytes_read()
-            counted.update(id(t) for t in (module.qweight, module.bias) if t is not None)
+            counted.update(id(t) for t in (*module.qweights, module.bias) if t is not None)
     embedding = model.model.embed_tokens
     if isinstance(embedding, QuantEmbedding):
         if id(embedding.qweight) not in counted:  # untied: the looked-up row

@@ -148,9 +148,11 @@ void attend_one(const float* q, const float* keys_t, int64_t stride, const float
 }  // namespace
 
 void layer_step(torch::Tensor x, const torch::Tensor& input_norm, const torch::Tensor& post_norm, double eps,
-                const torch::Tensor& w_qkv, int64_t f_qkv, const c10::optional<torch::Tensor>& b_qkv,
-                const torch::Tensor& w_o, int64_t f_o, const torch::Tensor& w_gate_up, int64_t f_gate_up,
-                const torch::Tensor& w_down, int64_t f_down, const torch::Tensor& cos, const torch::Tensor& sin,
+                const std::vector<torch::Tensor>& w_qkv, const std::vector<int64_t>& f_qkv,
+                const c10::optional<torch::Tensor>& b_qkv, const std::vector<torch::Tensor>& w_o,
+                const std::vector<int64_t>& f_o, const std::vector<torch::Tensor>& w_gate_up,
+                const std::vector<int64_t>& f_gate_up, const std::vector<torch::Tensor>& w_down,
+                const std::vector<int64_t>& f_down, const torch::Tensor& cos, const torch::Tensor& sin,
                 torch::Tensor keys, torch::Tensor values, const torch::Tensor& slots, const torch::Tensor& lengths,
                 int64_t pending, const c10::optional<torch::Tensor>& visible, int64_t num_heads,
                 int64_t num_kv_heads, int64_t new_tokens) {
@@ -182,7 +184,7 @@ void layer_step(torch::Tensor x, const torch::Tensor& input_norm, const torch::T
   // attention block
   auto h = torch::empty({BT, D}, torch::kFloat32);
   rms_norm(xs, input_norm.data_ptr<float>(), static_cast<float>(eps), BT, D, h.data_ptr<float>());
-  auto qkv = qmatmul(h, w_qkv, f_qkv, true);  // [BT, (H + 2G) * hd]
+  auto qkv = qmatmul_parts(h, w_qkv, f_qkv, true);  // [BT, (H + 2G) * hd]
   if (b_qkv.has_value() && b_qkv->defined()) qkv += *b_qkv;
   const int64_t width = (H + 2 * G) * hd, half = hd / 2;
   float* qkv_data = qkv.data_ptr<float>();
@@ -235,13 +237,13 @@ void layer_step(torch::Tensor x, const torch::Tensor& input_norm, const torch::T
       }
     }
   });
-  auto o = qmatmul(attn, w_o, f_o, true);  // [BT, D]
+  auto o = qmatmul_parts(attn, w_o, f_o, true);  // [BT, D]
   const float* od = o.data_ptr<float>();
   for (int64_t i = 0; i < BT * D; ++i) xs[i] += od[i];
 
   // MLP block
   rms_norm(xs, post_norm.data_ptr<float>(), static_cast<float>(eps), BT, D, h.data_ptr<float>());
-  auto gate_up = qmatmul(h, w_gate_up, f_gate_up, true);  // [BT, 2F]
+  auto gate_up = qmatmul_parts(h, w_gate_up, f_gate_up, true);  // [BT, 2F]
   const int64_t F = gate_up.size(1) / 2;
   auto act = torch::empty({BT, F}, torch::kFloat32);
   const float* gu = gate_up.data_ptr<float>();
@@ -261,7 +263,7 @@ void layer_step(torch::Tensor x, const torch::Tensor& input_norm, const torch::T
 #endif
     for (; j < F; ++j) out[j] = gate[j] / (1.0f + exp1(-gate[j])) * up[j];
   }
-  auto down = qmatmul(act, w_down, f_down, true);  // [BT, D]
+  auto down = qmatmul_parts(act, w_down, f_down, true);  // [BT, D]
   const float* dd = down.data_ptr<float>();
   for (int64_t i = 0; i < BT * D; ++i) xs[i] += dd[i];
 }

@@ -1,36 +1,42 @@
-// Matrix products with block-quantized weights, for decoding on CPUs (the weights stay quantized in memory).
+// Matrix products with block-quantized weights, for decoding on CPUs (the weights stay quantized in memory, used
+// in place from the GGUF file's memory map).
 //
-// Weight formats are GGUF's, byte for byte, one matrix row after the other (a row = in_features / 32 blocks):
-//   Q8_0: fp16 d, int8 q[32]                       w = d * q
-//   Q4_0: fp16 d, uint8 q[16] (two 4-bit values)   w = d * (q - 8)
-//   Q4_1: fp16 d, fp16 m, uint8 q[16]              w = d * q + m
-// In a 4-bit block, byte j holds element j in its low nibble and element j + 16 in its high nibble.
+// Weight formats are GGUF's, byte for byte, one matrix row after the other (FORMATS below: a row is in_features /
+// values blocks). Every format is read as 32-value blocks w = dA * v (dB * v for the second 16 values of a Q6_K
+// block) + m, with v small integers (block_weights: the scalar reference of each format's unpacking):
+//   Q8_0  fp16 d, int8 q[32]                            v = q          Q4_0  fp16 d, nibbles q[16]    v = q - 8
+//   Q4_1  fp16 d, fp16 m, nibbles q[16]                  v = q, + m     Q5_0  d, qh[4], q[16]          v = q - 16
+//   Q5_1  d, m, qh[4], q[16] (5-bit: nibble + qh bit)    v = q, + m
+//   Q4_K  256 values: fp16 d, dmin, 12 bytes of 6-bit scales sc_j and mins m_j, q[128]: block j = d*sc_j * q - dmin*m_j
+//   Q5_K  Q4_K plus qh[32] (bit j of byte e = the fifth bit of value e of block j)
+//   Q6_K  256 values: ql[128], qh[64], int8 scales[16] (one per 16 values), fp16 d: v = q - 32, scale d * sc
+// In a 4-bit 32-block, byte j holds element j in its low nibble and element j + 16 in its high nibble.
 //
 // Activations are quantized per row and per block of 32 to int16 with a float scale (d = max|x| / 32767) and the
-// block's sum (for Q4_1's offset); a block's dot product is then an exact integer one, scaled once.
+// block's sum (for the min terms); a block's dot product is then an exact integer one, scaled once.
 // llama.cpp rounds activations to int8 instead (d = max|x| / 127, one vpmaddubsw): 256 times coarser, which on
 // SmolLM2 moved logits by up to 6% of the largest and changed greedy answers against the dequantised model (its
 // answer to "What is the capital of France?" is not Paris); with int16 SmolLM2's logits stay within 0.01 (of 37.6)
-// of the dequantised float32 model's, for ~1/3 more arithmetic per row and the same weight bytes (measured end to
-// end on SmolLM2, AVX2: int8 activations decoded -2% to +14% faster; not worth the changed answers).
+// of the dequantised float32 model's, for ~1/3 more arithmetic per row and the same weight bytes.
 //
-// The kernels take blocks eight at a time (a group, see GROUP below): the 8 blocks' weights are turned around so
-// that int32 lane i only ever sums products of block i (the activations are stored in the matching order), so 16
-// multiply-adds (vpdpwssd with VNNI, else vpmaddwd + vpaddd) leave the group's 8 exact block sums in one vector,
-// scaled by one convert and one fused multiply-add with the 8 scales dw * dx, instead of a convert, a broadcast
-// and a multiply-add per block. Tiles of WR weight rows x R activation rows share the unpacked weights and the
-// loaded activations.
+// The kernels take 256 values at a time (a group: 8 blocks of 32, or one K-quant super-block): the group's
+// weights are turned around so that int32 lane i only ever sums products of block i (the activations are stored
+// in the matching order), so 16 multiply-adds (vpdpwssd with VNNI, else vpmaddwd + vpaddd) leave the group's 8
+// exact block sums in one vector (two for Q6_K: its 16-value halves have their own scales), scaled by one convert
+// and one fused multiply-add with the 8 scales dw * dx, instead of a convert, a broadcast and a multiply-add per
+// block. Tiles of WR weight rows x R activation rows share the unpacked weights and the loaded activations.
+// Two unpackings: Q4_0/Q4_1 turn their nibbles around in place (the "nibble" order); every other format first
+// expands each 32-block to 32 bytes in the natural order (`expand`, the only per-format SIMD code) and then turns
+// the 8 x 32 bytes around once (the "byte" order). Adding a format is a block layout, a row of FORMATS, its
+// block_weights and its expand.
 //
 // Speed (SmolLM2-135M Q4_1, all 121 products: 134.5 M MACs, 96.4 MB; 2-core AMD EPYC Zen 4, 1 thread, CPU clock,
 // fastest of 7 rounds alternating with the previous per-block kernels in one process; docs/bench/speed_kernels.md):
 //   M rows               1      4      8     16     32    256
 //   per-block, GMAC/s  11.0   21.9   25.6   28.2   26.7   25.4
 //   groups, GMAC/s     11.7   33.8   40.2   40.0   41.1   36.6
-// A cached forward after 300 tokens: 1 token 12.7 -> 11.8 ms, 4: 27.2 -> 19.9, 8: 48.3 -> 34.0, 16: 94.4 -> 68.3.
-// One row is 1.1x (Q8_0) to 1.8x (Q4_1) faster per matrix with the weights in cache, but the whole model at
-// M = 1 is held by streaming 96 MB from memory with one core (8.4 GB/s). Tried and slower here: 512-bit vectors,
-// unpacking a chunk of weights once for all row tiles, split integer accumulators, scalar loads in place of the
-// scales' gather (equal). Measured with `python benchmarks/quant_kernels.py --model FILE.gguf --against OLD.so`.
+// At M = 1 a whole model is held by streaming its weights from memory (one core: ~8.4 GB/s on that machine).
+// Measured with `python benchmarks/quant_kernels.py --model FILE.gguf --against OLD.so`.
 //
 // Batch invariance: the number for (row m, output n) is computed by the same sequence of operations whatever
 // the number of rows M and however rows are tiled or threads split the outputs (each (m, n) has its own
@@ -53,22 +59,37 @@
 namespace {
 
 constexpr int64_t QK = 32;
-enum Format : int64_t { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2 };
+enum Format : int64_t { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q5_0 = 3, Q5_1 = 4, Q4_K = 5, Q5_K = 6, Q6_K = 7 };
+constexpr int64_t NUM_FORMATS = 8;
 
 struct BlockQ8_0 { uint16_t d; int8_t q[32]; };
 struct BlockQ4_0 { uint16_t d; uint8_t q[16]; };
 struct BlockQ4_1 { uint16_t d; uint16_t m; uint8_t q[16]; };
-static_assert(sizeof(BlockQ8_0) == 34, "Q8_0 block");
-static_assert(sizeof(BlockQ4_0) == 18, "Q4_0 block");
-static_assert(sizeof(BlockQ4_1) == 20, "Q4_1 block");
+struct BlockQ5_0 { uint16_t d; uint8_t qh[4]; uint8_t q[16]; };
+struct BlockQ5_1 { uint16_t d; uint16_t m; uint8_t qh[4]; uint8_t q[16]; };
+struct BlockQ4_K { uint16_t d; uint16_t dmin; uint8_t scales[12]; uint8_t q[128]; };
+struct BlockQ5_K { uint16_t d; uint16_t dmin; uint8_t scales[12]; uint8_t qh[32]; uint8_t q[128]; };
+struct BlockQ6_K { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; uint16_t d; };
+static_assert(sizeof(BlockQ8_0) == 34 && sizeof(BlockQ4_0) == 18 && sizeof(BlockQ4_1) == 20, "32-blocks");
+static_assert(sizeof(BlockQ5_0) == 22 && sizeof(BlockQ5_1) == 24, "5-bit 32-blocks");
+static_assert(sizeof(BlockQ4_K) == 144 && sizeof(BlockQ5_K) == 176 && sizeof(BlockQ6_K) == 210, "K-quant blocks");
 
-int64_t block_bytes(int64_t format) {
-  switch (format) {
-    case Q8_0: return sizeof(BlockQ8_0);
-    case Q4_0: return sizeof(BlockQ4_0);
-    case Q4_1: return sizeof(BlockQ4_1);
-  }
-  TORCH_CHECK(false, "unknown weight format ", format);
+// The table of formats: values and bytes per block, and how a block's values are read.
+struct FormatInfo {
+  int64_t values, bytes;
+  bool nibble_order;  // activations in the Q4_0/Q4_1 kernels' order (else the byte order)
+  bool has_min;       // w = d * v + m: the block's activation sum enters with m
+  bool split;         // two scales per 32 values (Q6_K)
+};
+constexpr FormatInfo FORMATS[NUM_FORMATS] = {
+    {32, 34, false, false, false},  {32, 18, true, false, false},   {32, 20, true, true, false},
+    {32, 22, false, false, false},  {32, 24, false, true, false},   {256, 144, false, true, false},
+    {256, 176, false, true, false}, {256, 210, false, false, true},
+};
+
+const FormatInfo& info(int64_t format) {
+  TORCH_CHECK(format >= 0 && format < NUM_FORMATS, "unknown weight format ", format);
+  return FORMATS[format];
 }
 
 inline float half_to_float(uint16_t h) {
@@ -79,27 +100,123 @@ inline float half_to_float(uint16_t h) {
 #endif
 }
 
-// Blocks are taken eight at a time (a group): the kernels turn a group's 8 x 32 weights around so that lane i of
-// an int32 vector only ever sums products of block i, and the activations are stored in the matching order; after
-// 16 integer multiply-adds the vector holds the group's 8 exact block sums, which are scaled with one convert and
-// one fused multiply-add (scales dw * dx as a vector of 8). A row's last, partial group (K = 576: 2 blocks after
-// 2 groups) keeps the natural order: its block sums are added up lane by lane and then scaled in the same way,
-// as a group whose missing blocks are zero.
+inline uint16_t load16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline uint32_t load32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// Scale and min of block j (0..7) of a Q4_K/Q5_K super-block, from its 12 bytes of 6-bit fields.
+inline void k_scale_min(const uint8_t* s, int j, int& scale, int& min) {
+  if (j < 4) {
+    scale = s[j] & 63;
+    min = s[j + 4] & 63;
+  } else {
+    scale = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+    min = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// The reference unpacking: 32-block b of a row (format `format`): its integer values v[32] and w = dA * v (dB * v
+// for values 16..31 where the format splits) + m.
+void block_weights(int64_t format, const uint8_t* row, int64_t b, int* v, float& dA, float& dB, float& m) {
+  m = 0.f;
+  switch (format) {
+    case Q8_0: {
+      const auto* blk = reinterpret_cast<const BlockQ8_0*>(row + b * 34);
+      for (int j = 0; j < QK; ++j) v[j] = blk->q[j];
+      dA = half_to_float(load16(row + b * 34));
+      break;
+    }
+    case Q4_0:
+    case Q4_1: {
+      const int64_t bytes = format == Q4_0 ? 18 : 20;
+      const uint8_t* blk = row + b * bytes;
+      const uint8_t* q = blk + (format == Q4_0 ? 2 : 4);
+      const int offset = format == Q4_0 ? 8 : 0;
+      for (int j = 0; j < 16; ++j) {
+        v[j] = (q[j] & 0x0F) - offset;
+        v[j + 16] = (q[j] >> 4) - offset;
+      }
+      dA = half_to_float(load16(blk));
+      if (format == Q4_1) m = half_to_float(load16(blk + 2));
+      break;
+    }
+    case Q5_0:
+    case Q5_1: {
+      const int64_t bytes = format == Q5_0 ? 22 : 24;
+      const uint8_t* blk = row + b * bytes;
+      const int head = format == Q5_0 ? 2 : 4;
+      const uint32_t qh = load32(blk + head);
+      const uint8_t* q = blk + head + 4;
+      const int offset = format == Q5_0 ? 16 : 0;
+      for (int j = 0; j < 16; ++j) {
+        v[j] = ((q[j] & 0x0F) | (((qh >> j) & 1) << 4)) - offset;
+        v[j + 16] = ((q[j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - offset;
+      }
+      dA = half_to_float(load16(blk));
+      if (format == Q5_1) m = half_to_float(load16(blk + 2));
+      break;
+    }
+    case Q4_K:
+    case Q5_K: {
+      const int64_t bytes = format == Q4_K ? 144 : 176;
+      const uint8_t* blk = row + (b / 8) * bytes;
+      const int j = static_cast<int>(b % 8);
+      const uint8_t* qh = blk + 16;
+      const uint8_t* q = blk + (format == Q4_K ? 16 : 48) + 32 * (j / 2);
+      for (int e = 0; e < QK; ++e) {
+        v[e] = (q[e] >> (4 * (j % 2))) & 0x0F;
+        if (format == Q5_K) v[e] |= ((qh[e] >> j) & 1) << 4;
+      }
+      int scale, min;
+      k_scale_min(blk + 4, j, scale, min);
+      dA = half_to_float(load16(blk)) * static_cast<float>(scale);
+      m = -(half_to_float(load16(blk + 2)) * static_cast<float>(min));
+      break;
+    }
+    case Q6_K: {
+      const auto* blk = reinterpret_cast<const BlockQ6_K*>(row + (b / 8) * 210);
+      const int j = static_cast<int>(b % 8), half = j / 4, quarter = j % 4;
+      const uint8_t* ql = blk->ql + 64 * half + 32 * (quarter % 2);
+      const uint8_t* qh = blk->qh + 32 * half;
+      for (int e = 0; e < QK; ++e)
+        v[e] = (((ql[e] >> (4 * (quarter / 2))) & 0x0F) | (((qh[e] >> (2 * quarter)) & 3) << 4)) - 32;
+      const float d = half_to_float(load16(reinterpret_cast<const uint8_t*>(&blk->d)));
+      dA = d * static_cast<float>(blk->scales[8 * half + 2 * quarter]);
+      dB = d * static_cast<float>(blk->scales[8 * half + 2 * quarter + 1]);
+      break;
+    }
+    default:
+      TORCH_CHECK(false, "unknown weight format ", format);
+  }
+  if (!FORMATS[format].split) dB = dA;
+}
+
+// Blocks are taken eight at a time (a group, 256 values); see the top of the file. A row's last, partial group
+// (K = 576: 2 blocks after 2 groups; only 32-block formats have one) keeps the natural order: its block sums are
+// added up lane by lane and then scaled in the same way, as a group whose missing blocks are zero.
 constexpr int64_t GROUP = 8;
 constexpr int64_t GROUP_VALUES = GROUP * QK;
 constexpr int64_t VECTORS = 16;  // int16 vectors of 16 values per group
 
 // Where the kernels' layout puts the values of a group: vector k, lane l (2 lanes per block, block l / 2) holds
-// element index_in_group(k, l) (block * 32 + element). This follows from how the weights are unpacked below: a
-// vector of 8 dwords, dword i = bytes 4t..4t+3 of block i, read as 16-bit lanes (lane 2i + c = bytes 4t + 2c and
-// 4t + 2c + 1).
-//   4-bit: vector 4t + s: s = 0 low nibble of the lane's first byte (element 4t + 2c), 1 its high nibble (+16),
-//          2 the second byte's low nibble (+1), 3 its high nibble (+17);
-//   8-bit: vector 2t + s: s = 0 the first byte (element 4t + 2c), 1 the second (4t + 2c + 1).
-inline int index_in_group(int64_t format, int k, int lane) {
+// element index_in_group(k, l) (block * 32 + element). This follows from how the weights are turned around below:
+// a vector of 8 dwords, dword i = bytes 4t..4t+3 of block i (its q bytes, or its expanded bytes), read as 16-bit
+// lanes (lane 2i + c = bytes 4t + 2c and 4t + 2c + 1).
+//   nibble order: vector 4t + s: s = 0 low nibble of the lane's first byte (element 4t + 2c), 1 its high nibble
+//          (+16), 2 the second byte's low nibble (+1), 3 its high nibble (+17);
+//   byte order: vector 2t + s: s = 0 the first byte (element 4t + 2c), 1 the second (4t + 2c + 1).
+inline int index_in_group(bool nibble_order, int k, int lane) {
   const int block = lane / 2, c = lane % 2;
   int element;
-  if (format == Q8_0) {
+  if (!nibble_order) {
     element = 4 * (k / 2) + 2 * c + k % 2;
   } else {
     static constexpr int shift[4] = {0, 16, 1, 17};
@@ -109,16 +226,16 @@ inline int index_in_group(int64_t format, int k, int lane) {
 }
 
 // Rows of activations, quantized per block of 32: q [M, groups * 256] int16, d [M, groups * 8] scales,
-// s = d * (sum of the block's q), sum [M, groups * 8] int32 (the same sum, for Q4_0's offset); padding blocks are
-// zero throughout. For the kernels (`interleaved`), whole groups hold their values in the kernels' order and all
-// four are stored group-major, [groups, M, ...]: a tile of rows then reads one group of all its rows at fixed
-// offsets from one pointer.
+// s = d * (sum of the block's q), sum [M, groups * 8] int32 (the same sum); padding blocks are zero throughout.
+// For the kernels (`interleaved`), whole groups hold their values in the kernels' order and all four are stored
+// group-major, [groups, M, ...]: a tile of rows then reads one group of all its rows at fixed offsets from one
+// pointer.
 struct QuantRows {
   torch::Tensor q, d, s, sum;
   int64_t rows, blocks, groups;
 };
 
-QuantRows quantize_rows(const torch::Tensor& x, int64_t format, bool interleaved) {
+QuantRows quantize_rows(const torch::Tensor& x, bool nibble_order, bool interleaved) {
   constexpr float LEVELS = 32767.f;
   auto xf = x.to(torch::kFloat32).contiguous();
   const int64_t M = xf.size(0), K = xf.size(1), nb = K / QK, ng = (nb + GROUP - 1) / GROUP;
@@ -127,7 +244,7 @@ QuantRows quantize_rows(const torch::Tensor& x, int64_t format, bool interleaved
                 ng};
   int order[GROUP_VALUES];  // position in the stored group -> element of the natural group
   for (int k = 0; k < VECTORS; ++k)
-    for (int lane = 0; lane < 16; ++lane) order[k * 16 + lane] = index_in_group(format, k, lane);
+    for (int lane = 0; lane < 16; ++lane) order[k * 16 + lane] = index_in_group(nibble_order, k, lane);
   const float* src = xf.data_ptr<float>();
   int16_t* q = out.q.data_ptr<int16_t>();
   float* d = out.d.data_ptr<float>();
@@ -172,9 +289,10 @@ QuantRows quantize_rows(const torch::Tensor& x, int64_t format, bool interleaved
   return out;
 }
 
-// The float steps, shared by every path: block b of a row adds dw * dx * (its integer sum) (then, Q4_1, m * s) to
-// lane b % 8 of 8 float accumulators, groups in order, and the lanes are summed as `sum_lanes` does. With the
-// integer sums exact, this fixes every rounding of a (row, output) whatever path, tile or thread computes it.
+// The float steps, shared by every path: block b of a row adds dA * dx * (its integer sum) (split formats: the
+// sums of its two halves, dA then dB), then m * s, to lane b % 8 of 8 float accumulators, groups in order, and the
+// lanes are summed as `sum_lanes` does. With the integer sums exact, this fixes every rounding of a (row, output)
+// whatever path, tile or thread computes it.
 inline float sum_lanes(const float* lane) {  // the order of hsum() below
   const float a0 = lane[0] + lane[4], a1 = lane[1] + lane[5], a2 = lane[2] + lane[6], a3 = lane[3] + lane[7];
   return (a0 + a2) + (a1 + a3);
@@ -183,32 +301,27 @@ inline float sum_lanes(const float* lane) {  // the order of hsum() below
 // ---- the reference: one (row, output) dot product in plain C++ (also the kernel where AVX2 is absent) ----
 
 float dot_scalar(int64_t format, const uint8_t* w, const int16_t* xq, const float* xd, const float* xs,
-                 const int32_t* xsum, int64_t nb, int64_t ng) {
+                 int64_t nb, int64_t ng) {
+  const FormatInfo& f = FORMATS[format];
   float lane[GROUP] = {};
+  int v[QK];
   for (int64_t b = 0; b < ng * GROUP; ++b) {
     const int16_t* x = xq + b * QK;
-    int sum = 0;
-    float dw = 0.f, mw = 0.f;
+    int sum = 0, sum_b = 0;
+    float dA = 0.f, dB = 0.f, mw = 0.f;
     if (b < nb) {
-      if (format == Q8_0) {
-        const auto* blk = reinterpret_cast<const BlockQ8_0*>(w) + b;
-        for (int j = 0; j < QK; ++j) sum += blk->q[j] * x[j];
-        dw = half_to_float(blk->d);
-      } else if (format == Q4_0) {
-        const auto* blk = reinterpret_cast<const BlockQ4_0*>(w) + b;
-        for (int j = 0; j < 16; ++j) sum += (blk->q[j] & 0x0F) * x[j] + (blk->q[j] >> 4) * x[j + 16];
-        sum -= 8 * xsum[b];
-        dw = half_to_float(blk->d);
+      block_weights(format, w, b, v, dA, dB, mw);
+      if (f.split) {
+        for (int j = 0; j < 16; ++j) sum += v[j] * x[j];
+        for (int j = 16; j < QK; ++j) sum_b += v[j] * x[j];
       } else {
-        const auto* blk = reinterpret_cast<const BlockQ4_1*>(w) + b;
-        for (int j = 0; j < 16; ++j) sum += (blk->q[j] & 0x0F) * x[j] + (blk->q[j] >> 4) * x[j + 16];
-        dw = half_to_float(blk->d);
-        mw = half_to_float(blk->m);
+        for (int j = 0; j < QK; ++j) sum += v[j] * x[j];
       }
     }
     float& acc = lane[b % GROUP];
-    acc = std::fma(dw * xd[b], static_cast<float>(sum), acc);
-    if (format == Q4_1) acc = std::fma(mw, xs[b], acc);
+    acc = std::fma(dA * xd[b], static_cast<float>(sum), acc);
+    if (f.split) acc = std::fma(dB * xd[b], static_cast<float>(sum_b), acc);
+    if (f.has_min) acc = std::fma(mw, xs[b], acc);
   }
   return sum_lanes(lane);
 }
@@ -225,71 +338,135 @@ inline float hsum(__m256 v) {
 
 #define UNROLL _Pragma("GCC unroll 16")  // constant-bound loops over tiles: their accumulators stay in registers
 
-template <int F> constexpr int64_t BYTES = F == Q8_0 ? sizeof(BlockQ8_0) : F == Q4_0 ? sizeof(BlockQ4_0)
-                                                                                    : sizeof(BlockQ4_1);
-template <int F> constexpr int64_t Q_OFFSET = F == Q4_1 ? 4 : 2;  // where q starts in a block
-template <int F> constexpr int DWORDS = F == Q8_0 ? 8 : 4;         // dwords of q per block
+template <int F> constexpr FormatInfo TRAITS = FORMATS[F];
+template <int F> constexpr int64_t GROUP_BYTES = TRAITS<F>.bytes * (GROUP_VALUES / TRAITS<F>.values);
+
+inline __m256i load256(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
 inline __m256i load2(const uint8_t* lo, const uint8_t* hi) {
   return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lo))),
                                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(hi)), 1);
 }
 
-// A group of 8 weight blocks turned around: t[k] dword i = dword k of block i's q.
+// ---- nibble order (Q4_0, Q4_1): the q bytes of a group of 8 blocks turned around in place ----
+
+// t[k] dword i = dword k of block i's q.
 template <int F>
-inline void transpose(const uint8_t* q, __m256i* t) {
-  constexpr int64_t B = BYTES<F>;
-  if constexpr (F != Q8_0) {
-    __m256i y[4];  // [block k | block k + 4]
-    UNROLL for (int k = 0; k < 4; ++k) y[k] = load2(q + k * B, q + (k + 4) * B);
-    const __m256i a = _mm256_unpacklo_epi32(y[0], y[1]), b = _mm256_unpackhi_epi32(y[0], y[1]);
-    const __m256i c = _mm256_unpacklo_epi32(y[2], y[3]), e = _mm256_unpackhi_epi32(y[2], y[3]);
-    t[0] = _mm256_unpacklo_epi64(a, c);
-    t[1] = _mm256_unpackhi_epi64(a, c);
-    t[2] = _mm256_unpacklo_epi64(b, e);
-    t[3] = _mm256_unpackhi_epi64(b, e);
-  } else {
-    __m256i y[8], a[8], b[8];
-    UNROLL for (int k = 0; k < 8; ++k) y[k] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + k * B));
-    UNROLL for (int k = 0; k < 4; ++k) {
-      a[2 * k] = _mm256_unpacklo_epi32(y[2 * k], y[2 * k + 1]);      // dwords 0, 1 | 4, 5 of blocks 2k, 2k + 1
-      a[2 * k + 1] = _mm256_unpackhi_epi32(y[2 * k], y[2 * k + 1]);  // dwords 2, 3 | 6, 7
-    }
-    UNROLL for (int h = 0; h < 2; ++h) {  // blocks 0..3, then 4..7: dword 0 | 4, 1 | 5, 2 | 6, 3 | 7
-      b[4 * h + 0] = _mm256_unpacklo_epi64(a[4 * h], a[4 * h + 2]);
-      b[4 * h + 1] = _mm256_unpackhi_epi64(a[4 * h], a[4 * h + 2]);
-      b[4 * h + 2] = _mm256_unpacklo_epi64(a[4 * h + 1], a[4 * h + 3]);
-      b[4 * h + 3] = _mm256_unpackhi_epi64(a[4 * h + 1], a[4 * h + 3]);
-    }
-    UNROLL for (int k = 0; k < 4; ++k) {
-      t[k] = _mm256_permute2x128_si256(b[k], b[4 + k], 0x20);
-      t[k + 4] = _mm256_permute2x128_si256(b[k], b[4 + k], 0x31);
-    }
+inline void transpose_nibbles(const uint8_t* q, __m256i* t) {
+  constexpr int64_t B = TRAITS<F>.bytes;
+  __m256i y[4];  // [block k | block k + 4]
+  UNROLL for (int k = 0; k < 4; ++k) y[k] = load2(q + k * B, q + (k + 4) * B);
+  const __m256i a = _mm256_unpacklo_epi32(y[0], y[1]), b = _mm256_unpackhi_epi32(y[0], y[1]);
+  const __m256i c = _mm256_unpacklo_epi32(y[2], y[3]), e = _mm256_unpackhi_epi32(y[2], y[3]);
+  t[0] = _mm256_unpacklo_epi64(a, c);
+  t[1] = _mm256_unpackhi_epi64(a, c);
+  t[2] = _mm256_unpacklo_epi64(b, e);
+  t[3] = _mm256_unpackhi_epi64(b, e);
+}
+
+// Vector k of the group's weights as int16 (the nibble order of index_in_group).
+inline __m256i unpack_nibbles(const __m256i* t, int k) {
+  const __m256i v = t[k / 4], low4 = _mm256_set1_epi16(0x000F);
+  switch (k % 4) {
+    case 0: return _mm256_and_si256(v, low4);
+    case 1: return _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+    case 2: return _mm256_and_si256(_mm256_srli_epi16(v, 8), low4);
+    default: return _mm256_srli_epi16(v, 12);
   }
 }
 
-// Vector k of the group's weights as int16 (the layout of index_in_group).
+// ---- byte order (every other format): 32-blocks expanded to bytes, then the 8 x 32 bytes turned around ----
+
+// The values of blocks 0..count-1 of a group as bytes in the natural order (y[i] byte e = value e of block i; the
+// format's offsets applied, so that they are signed for Q8_0, Q5_0 and Q6_K).
 template <int F>
-inline __m256i unpack(const __m256i* t, int k) {
+inline void expand(const uint8_t* group, __m256i* y, int64_t count) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
   if constexpr (F == Q8_0) {
-    const __m256i v = t[k / 2];
-    return k % 2 == 0 ? _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8) : _mm256_srai_epi16(v, 8);
-  } else {
-    const __m256i v = t[k / 4], low4 = _mm256_set1_epi16(0x000F);
-    switch (k % 4) {
-      case 0: return _mm256_and_si256(v, low4);
-      case 1: return _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-      case 2: return _mm256_and_si256(_mm256_srli_epi16(v, 8), low4);
-      default: return _mm256_srli_epi16(v, 12);
+    for (int64_t i = 0; i < count; ++i) y[i] = load256(group + i * 34 + 2);
+  } else if constexpr (F == Q5_0 || F == Q5_1) {
+    constexpr int64_t B = TRAITS<F>.bytes, HEAD = F == Q5_0 ? 2 : 4;
+    // byte e takes bit e of the 32 high bits: broadcast byte e / 8 of them to byte e, test bit e % 8
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
+    for (int64_t i = 0; i < count; ++i) {
+      const uint8_t* blk = group + i * B;
+      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + HEAD + 4));
+      const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(packed), _mm_srli_epi16(packed, 4), 1);
+      const __m256i high = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(load32(blk + HEAD))), spread);
+      const __m256i fifth = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(high, bit), bit),
+                                             _mm256_set1_epi8(0x10));
+      y[i] = _mm256_or_si256(_mm256_and_si256(both, low4), fifth);
+      if constexpr (F == Q5_0) y[i] = _mm256_sub_epi8(y[i], _mm256_set1_epi8(16));
+    }
+  } else if constexpr (F == Q4_K || F == Q5_K) {
+    const uint8_t* q = group + (F == Q4_K ? 16 : 48);
+    __m256i high;
+    if constexpr (F == Q5_K) high = load256(group + 16);
+    UNROLL for (int c = 0; c < 4; ++c) {  // 32 bytes: block 2c in the low nibbles, block 2c + 1 in the high ones
+      const __m256i packed = load256(q + 32 * c);
+      y[2 * c] = _mm256_and_si256(packed, low4);
+      y[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+      if constexpr (F == Q5_K) {  // bit j of each qh byte -> bit 4 of block j's byte
+        const __m256i fifth = _mm256_set1_epi8(0x10);
+        UNROLL for (int h = 0; h < 2; ++h) {
+          const int j = 2 * c + h;
+          const __m256i moved = j <= 4 ? _mm256_slli_epi16(high, 4 - j) : _mm256_srli_epi16(high, j - 4);
+          y[j] = _mm256_or_si256(y[j], _mm256_and_si256(moved, fifth));
+        }
+      }
+    }
+  } else {  // Q6_K: per half of 128 values, ql[64] and qh[32] hold 4 blocks (see block_weights)
+    const __m256i two = _mm256_set1_epi8(0x30), offset = _mm256_set1_epi8(32);
+    UNROLL for (int h = 0; h < 2; ++h) {
+      const __m256i l0 = load256(group + 64 * h), l1 = load256(group + 64 * h + 32);
+      const __m256i qh = load256(group + 128 + 32 * h);
+      const __m256i v0 = _mm256_or_si256(_mm256_and_si256(l0, low4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), two));
+      const __m256i v1 = _mm256_or_si256(_mm256_and_si256(l1, low4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), two));
+      const __m256i v2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4), _mm256_and_si256(qh, two));
+      const __m256i v3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
+                                         _mm256_and_si256(_mm256_srli_epi16(qh, 2), two));
+      y[4 * h + 0] = _mm256_sub_epi8(v0, offset);
+      y[4 * h + 1] = _mm256_sub_epi8(v1, offset);
+      y[4 * h + 2] = _mm256_sub_epi8(v2, offset);
+      y[4 * h + 3] = _mm256_sub_epi8(v3, offset);
     }
   }
 }
 
-// The scales d (and offsets m, Q4_1) of `count` blocks as floats (0 past them): a block starts with fp16 d (then
-// Q4_1's fp16 m).
+// Eight vectors turned around: t[k] dword i = dword k of y[i].
+inline void transpose8(const __m256i* y, __m256i* t) {
+  __m256i a[8], b[8];
+  UNROLL for (int k = 0; k < 4; ++k) {
+    a[2 * k] = _mm256_unpacklo_epi32(y[2 * k], y[2 * k + 1]);      // dwords 0, 1 | 4, 5 of blocks 2k, 2k + 1
+    a[2 * k + 1] = _mm256_unpackhi_epi32(y[2 * k], y[2 * k + 1]);  // dwords 2, 3 | 6, 7
+  }
+  UNROLL for (int h = 0; h < 2; ++h) {  // blocks 0..3, then 4..7: dword 0 | 4, 1 | 5, 2 | 6, 3 | 7
+    b[4 * h + 0] = _mm256_unpacklo_epi64(a[4 * h], a[4 * h + 2]);
+    b[4 * h + 1] = _mm256_unpackhi_epi64(a[4 * h], a[4 * h + 2]);
+    b[4 * h + 2] = _mm256_unpacklo_epi64(a[4 * h + 1], a[4 * h + 3]);
+    b[4 * h + 3] = _mm256_unpackhi_epi64(a[4 * h + 1], a[4 * h + 3]);
+  }
+  UNROLL for (int k = 0; k < 4; ++k) {
+    t[k] = _mm256_permute2x128_si256(b[k], b[4 + k], 0x20);
+    t[k + 4] = _mm256_permute2x128_si256(b[k], b[4 + k], 0x31);
+  }
+}
+
+// Vector k of the group's weights as int16 (the byte order of index_in_group), from the turned-around bytes.
+inline __m256i unpack_bytes(const __m256i* t, int k) {
+  const __m256i v = t[k / 2];
+  return k % 2 == 0 ? _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8) : _mm256_srai_epi16(v, 8);
+}
+
+// ---- scales ----
+
+// The scales d (and offsets m, Q4_1/Q5_1) of `count` 32-blocks as floats (0 past them): a block starts with fp16
+// d (then fp16 m).
 template <int F>
-inline void group_scales(const uint8_t* blocks, __m256& d, __m256& m, int64_t count) {
-  constexpr int B = static_cast<int>(BYTES<F>);
+inline void gather_scales(const uint8_t* blocks, __m256& d, __m256& m, int64_t count) {
+  constexpr int B = static_cast<int>(TRAITS<F>.bytes);
   const __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256i starts = _mm256_mullo_epi32(index, _mm256_set1_epi32(B));
   __m256i dm;
@@ -305,6 +482,34 @@ inline void group_scales(const uint8_t* blocks, __m256& d, __m256& m, int64_t co
   dm = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(dm, split), 0xD8);  // [d0..d7 | m0..m7]
   d = _mm256_cvtph_ps(_mm256_castsi256_si128(dm));
   m = _mm256_cvtph_ps(_mm256_extracti128_si256(dm, 1));
+}
+
+// A group's per-block scales as the reference computes them (dA, dB and m of block_weights), 8 lanes each.
+template <int F>
+inline void group_scales(const uint8_t* group, __m256& dA, __m256& dB, __m256& m, int64_t count) {
+  if constexpr (F == Q4_K || F == Q5_K) {
+    const float d = half_to_float(load16(group)), dmin = half_to_float(load16(group + 2));
+    alignas(32) float scale[8], min[8];
+    for (int j = 0; j < 8; ++j) {
+      int sc, mn;
+      k_scale_min(group + 4, j, sc, mn);
+      scale[j] = static_cast<float>(sc);
+      min[j] = static_cast<float>(mn);
+    }
+    dA = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_load_ps(scale));
+    m = _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(dmin), _mm256_load_ps(min)), _mm256_set1_ps(-0.f));  // -(dmin*m)
+    dB = dA;
+  } else if constexpr (F == Q6_K) {
+    const __m256 d = _mm256_set1_ps(half_to_float(load16(group + 208)));
+    const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(group + 192)));
+    const __m256i even = _mm256_srai_epi32(_mm256_slli_epi32(sc, 16), 16), odd = _mm256_srai_epi32(sc, 16);
+    dA = _mm256_mul_ps(d, _mm256_cvtepi32_ps(even));  // scales 2j: the first 16 values of block j
+    dB = _mm256_mul_ps(d, _mm256_cvtepi32_ps(odd));
+    m = _mm256_setzero_ps();
+  } else {
+    gather_scales<F>(group, dA, m, count);
+    dB = dA;
+  }
 }
 
 // acc + the integer dot products of 16 int16 pairs (exact).
@@ -327,31 +532,20 @@ struct RowsView {
   int64_t q_group, group;  // from one group to the next: values of q, of d/s/sum (rows are 256 and 8 apart)
 };
 
-// The float step of group g for activation row r: acc + dw * dx * sums (+ m * s for Q4_1), 8 blocks at once.
+// The float step of group g for activation row r, 8 blocks at once: acc + dA * dx * sums (+ dB * dx * sums_b for
+// split formats) (+ m * s).
 template <int F>
-inline __m256 scale_group(__m256 acc, __m256i sums, __m256 dw, __m256 mw, const RowsView& x, int r, int64_t g) {
+inline __m256 scale_group(__m256 acc, __m256i sums, __m256i sums_b, __m256 dA, __m256 dB, __m256 mw,
+                          const RowsView& x, int r, int64_t g) {
   const int64_t at = g * x.group + r * GROUP;
   if constexpr (F == Q4_0)  // the weights are q - 8
     sums = _mm256_sub_epi32(sums, _mm256_slli_epi32(
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.sum + at)), 3));
-  acc = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_loadu_ps(x.d + at)), _mm256_cvtepi32_ps(sums), acc);
-  if constexpr (F == Q4_1) acc = _mm256_fmadd_ps(mw, _mm256_loadu_ps(x.s + at), acc);
+  const __m256 dx = _mm256_loadu_ps(x.d + at);
+  acc = _mm256_fmadd_ps(_mm256_mul_ps(dA, dx), _mm256_cvtepi32_ps(sums), acc);
+  if constexpr (TRAITS<F>.split) acc = _mm256_fmadd_ps(_mm256_mul_ps(dB, dx), _mm256_cvtepi32_ps(sums_b), acc);
+  if constexpr (TRAITS<F>.has_min) acc = _mm256_fmadd_ps(mw, _mm256_loadu_ps(x.s + at), acc);
   return acc;
-}
-
-// Block b's 32 weights as int16 in the natural order (lo: elements 0..15, hi: 16..31; 4-bit values unsigned).
-template <int F>
-inline void unpack_natural(const uint8_t* block, __m256i& lo, __m256i& hi) {
-  if constexpr (F == Q8_0) {
-    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + Q_OFFSET<F>));
-    lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(bytes));
-    hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(bytes, 1));
-  } else {
-    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + Q_OFFSET<F>));
-    const __m128i low4 = _mm_set1_epi8(0x0F);
-    lo = _mm256_cvtepu8_epi16(_mm_and_si128(packed, low4));
-    hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), low4));
-  }
 }
 
 // Eight vectors of 8 int32 lanes -> the vector of their 8 sums (exact).
@@ -362,52 +556,88 @@ inline __m256i sum8(const __m256i* p) {
   return _mm256_add_epi32(_mm256_permute2x128_si256(lo, hi, 0x20), _mm256_permute2x128_si256(lo, hi, 0x31));
 }
 
+// Block b's 32 values as int16 in the natural order (lo: elements 0..15, hi: 16..31; Q4_0's without its offset,
+// which scale_group applies).
+template <int F>
+inline void unpack_natural(const uint8_t* group, int64_t b, __m256i& lo, __m256i& hi) {
+  if constexpr (TRAITS<F>.nibble_order) {
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(group + b * TRAITS<F>.bytes +
+                                                                            (F == Q4_1 ? 4 : 2)));
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    lo = _mm256_cvtepu8_epi16(_mm_and_si128(packed, low4));
+    hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), low4));
+  } else {
+    static_assert(TRAITS<F>.values == QK || F == Q4_K || F == Q5_K || F == Q6_K, "");
+    __m256i y[GROUP];
+    expand<F>(group + b * TRAITS<F>.bytes, y, 1);  // (only 32-block formats have partial groups)
+    lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(y[0]));
+    hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(y[0], 1));
+  }
+}
+
 // The outputs of WR weight rows (w, w + row_bytes, ...) for R activation rows: out[r * out_stride + j]. Every
 // (row, output) pair has its own accumulators and sees the same operations in the same order whatever WR and R
 // are: the tiles only decide what is loaded once and reused, never how a number is summed.
 template <int F, int WR, int R>
 void tile_avx2(const uint8_t* w, int64_t row_bytes, const RowsView& x, int64_t nb, float* out, int64_t out_stride) {
-  constexpr int64_t B = BYTES<F>;
+  constexpr bool NIBBLES = TRAITS<F>.nibble_order, SPLIT = TRAITS<F>.split;
+  constexpr int TURNED = NIBBLES ? 4 : 8;  // vectors of turned-around bytes per group
   __m256 acc[WR][R];
   UNROLL for (int j = 0; j < WR; ++j)
     UNROLL for (int r = 0; r < R; ++r) acc[j][r] = _mm256_setzero_ps();
   const int64_t full = nb / GROUP, rest = nb % GROUP;
   for (int64_t g = 0; g < full; ++g) {
-    __m256i t[WR][DWORDS<F>];
-    __m256 dw[WR], mw[WR];
+    __m256i t[WR][TURNED];
+    __m256 dA[WR], dB[WR], mw[WR];
     UNROLL for (int j = 0; j < WR; ++j) {
-      const uint8_t* blocks = w + j * row_bytes + g * GROUP * B;
-      transpose<F>(blocks + Q_OFFSET<F>, t[j]);
-      group_scales<F>(blocks, dw[j], mw[j], GROUP);
+      const uint8_t* group = w + j * row_bytes + g * GROUP_BYTES<F>;
+      if constexpr (NIBBLES) {
+        transpose_nibbles<F>(group + (F == Q4_1 ? 4 : 2), t[j]);
+      } else {
+        __m256i y[GROUP];
+        expand<F>(group, y, GROUP);
+        transpose8(y, t[j]);
+      }
+      group_scales<F>(group, dA[j], dB[j], mw[j], GROUP);
     }
-    __m256i sums[WR][R];
+    __m256i sums[WR][R], sums_b[WR][R];
     const int16_t* xq = x.q + g * x.q_group;
     UNROLL for (int j = 0; j < WR; ++j)
-      UNROLL for (int r = 0; r < R; ++r) sums[j][r] = _mm256_setzero_si256();
+      UNROLL for (int r = 0; r < R; ++r) {
+        sums[j][r] = _mm256_setzero_si256();
+        if constexpr (SPLIT) sums_b[j][r] = _mm256_setzero_si256();
+      }
     UNROLL for (int k = 0; k < VECTORS; ++k) {
       UNROLL for (int j = 0; j < WR; ++j) {
-        const __m256i v = unpack<F>(t[j], k);
-        UNROLL for (int r = 0; r < R; ++r) sums[j][r] = dot_add(sums[j][r], v, xq + r * GROUP_VALUES + k * 16);
+        const __m256i v = NIBBLES ? unpack_nibbles(t[j], k) : unpack_bytes(t[j], k);
+        UNROLL for (int r = 0; r < R; ++r) {
+          if (SPLIT && k >= VECTORS / 2)  // vectors 8..15 hold values 16..31 of each block
+            sums_b[j][r] = dot_add(sums_b[j][r], v, xq + r * GROUP_VALUES + k * 16);
+          else
+            sums[j][r] = dot_add(sums[j][r], v, xq + r * GROUP_VALUES + k * 16);
+        }
       }
     }
     UNROLL for (int r = 0; r < R; ++r)
-      UNROLL for (int j = 0; j < WR; ++j) acc[j][r] = scale_group<F>(acc[j][r], sums[j][r], dw[j], mw[j], x, r, g);
+      UNROLL for (int j = 0; j < WR; ++j)
+        acc[j][r] = scale_group<F>(acc[j][r], sums[j][r], SPLIT ? sums_b[j][r] : sums[j][r], dA[j], dB[j], mw[j], x,
+                                   r, g);
   }
   if (rest > 0) {  // the partial group, in the natural order
     const int64_t g = full;
     UNROLL for (int j = 0; j < WR; ++j) {
-      const uint8_t* blocks = w + j * row_bytes + g * GROUP * B;
-      __m256 dw, mw;
-      group_scales<F>(blocks, dw, mw, rest);
+      const uint8_t* group = w + j * row_bytes + g * GROUP_BYTES<F>;
+      __m256 dA, dB, mw;
+      group_scales<F>(group, dA, dB, mw, rest);
       __m256i lo[GROUP - 1], hi[GROUP - 1];
-      for (int64_t b = 0; b < rest; ++b) unpack_natural<F>(blocks + b * B, lo[b], hi[b]);
+      for (int64_t b = 0; b < rest; ++b) unpack_natural<F>(group, b, lo[b], hi[b]);
       UNROLL for (int r = 0; r < R; ++r) {
         const int16_t* xq = x.q + g * x.q_group + r * GROUP_VALUES;
         __m256i lanes[GROUP];
         UNROLL for (int b = 0; b < GROUP; ++b)
           lanes[b] = b < rest ? dot_add(dot_add(_mm256_setzero_si256(), lo[b], xq + b * QK), hi[b], xq + b * QK + 16)
                               : _mm256_setzero_si256();
-        acc[j][r] = scale_group<F>(acc[j][r], sum8(lanes), dw, mw, x, r, g);
+        acc[j][r] = scale_group<F>(acc[j][r], sum8(lanes), _mm256_setzero_si256(), dA, dB, mw, x, r, g);
       }
     }
   }
@@ -431,6 +661,7 @@ void rows_avx2(const uint8_t* weight, int64_t row_bytes, int64_t rows, const Row
 template <int F>
 void range_avx2(const uint8_t* weight, int64_t row_bytes, int64_t n_rows, const RowsView& x, int64_t nb,
                 int64_t rows, float* out, int64_t N) {
+  constexpr int WIDE = TRAITS<F>.nibble_order ? R1_WR : 2;  // (the byte order holds 8 turned vectors a row)
 #define SPECDECODE_ROWS(WR, R) rows_avx2<F, WR, R>(weight, row_bytes, n_rows, x, nb, out, N)
   switch (rows) {  // weight rows per tile: as many as keep the accumulators in registers
     case 8: SPECDECODE_ROWS(1, 8); break;
@@ -440,7 +671,7 @@ void range_avx2(const uint8_t* weight, int64_t row_bytes, int64_t n_rows, const 
     case 4: SPECDECODE_ROWS(2, 4); break;
     case 3: SPECDECODE_ROWS(2, 3); break;
     case 2: SPECDECODE_ROWS(2, 2); break;
-    default: SPECDECODE_ROWS(R1_WR, 1); break;
+    default: SPECDECODE_ROWS(WIDE, 1); break;
   }
 #undef SPECDECODE_ROWS
 }
@@ -451,8 +682,7 @@ constexpr int64_t ROW_TILE = 8;     // activation rows per pass over a weight ro
 constexpr int64_t WEIGHT_TILE = 16;  // weight rows kept hot while every tile of activation rows passes over them
 
 #if defined(__AVX2__)
-// Weight rows [0, n_rows) of a chunk against every activation row, tile after tile of ROW_TILE rows. (Unpacking
-// a chunk's weights once for all tiles was tried: no faster, the loads cost what the unpacking saved.)
+// Weight rows [0, n_rows) of a chunk against every activation row, tile after tile of ROW_TILE rows.
 template <int F>
 void chunk_avx2(const uint8_t* chunk, int64_t row_bytes, int64_t n_rows, const QuantRows& x, float* out,
                 int64_t N) {
@@ -464,23 +694,26 @@ void chunk_avx2(const uint8_t* chunk, int64_t row_bytes, int64_t n_rows, const Q
     range_avx2<F>(chunk, row_bytes, n_rows, view, nb, std::min(ROW_TILE, M - m0), out + m0 * N, N);
   }
 }
+
+using ChunkKernel = void (*)(const uint8_t*, int64_t, int64_t, const QuantRows&, float*, int64_t);
+constexpr ChunkKernel CHUNK_KERNELS[NUM_FORMATS] = {chunk_avx2<Q8_0>, chunk_avx2<Q4_0>, chunk_avx2<Q4_1>,
+                                                    chunk_avx2<Q5_0>, chunk_avx2<Q5_1>, chunk_avx2<Q4_K>,
+                                                    chunk_avx2<Q5_K>, chunk_avx2<Q6_K>};
 #endif
 
+// Outputs [n_begin, n_end) of one weight matrix into columns [col + n_begin, ...) of out (row stride N).
 void matmul_range(int64_t format, const uint8_t* weight, int64_t row_bytes, const QuantRows& x, float* out,
                   int64_t N, int64_t n_begin, int64_t n_end, bool use_simd) {
   const int16_t* xq = x.q.data_ptr<int16_t>();
   const float* xd = x.d.data_ptr<float>();
   const float* xs = x.s.data_ptr<float>();
-  const int32_t* xsum = x.sum.data_ptr<int32_t>();
   const int64_t M = x.rows, nb = x.blocks, ng = x.groups, q_stride = ng * GROUP_VALUES, stride = ng * GROUP;
   for (int64_t n0 = n_begin; n0 < n_end; n0 += WEIGHT_TILE) {
     const int64_t n1 = std::min(n_end, n0 + WEIGHT_TILE);
     const uint8_t* chunk = weight + n0 * row_bytes;
 #if defined(__AVX2__)
     if (use_simd) {
-      if (format == Q8_0) chunk_avx2<Q8_0>(chunk, row_bytes, n1 - n0, x, out + n0, N);
-      else if (format == Q4_0) chunk_avx2<Q4_0>(chunk, row_bytes, n1 - n0, x, out + n0, N);
-      else chunk_avx2<Q4_1>(chunk, row_bytes, n1 - n0, x, out + n0, N);
+      CHUNK_KERNELS[format](chunk, row_bytes, n1 - n0, x, out + n0, N);
       continue;
     }
 #endif
@@ -489,29 +722,42 @@ void matmul_range(int64_t format, const uint8_t* weight, int64_t row_bytes, cons
       for (int64_t n = n0; n < n1; ++n) {
         const uint8_t* w = weight + n * row_bytes;
         for (int64_t r = m0; r < m0 + rows; ++r)
-          out[r * N + n] = dot_scalar(format, w, xq + r * q_stride, xd + r * stride, xs + r * stride,
-                                      xsum + r * stride, nb, ng);
+          out[r * N + n] = dot_scalar(format, w, xq + r * q_stride, xd + r * stride, xs + r * stride, nb, ng);
       }
     }
   }
 }
 
+int64_t row_bytes_of(int64_t format, int64_t in_features) {
+  const FormatInfo& f = info(format);
+  TORCH_CHECK(in_features % f.values == 0, "in_features must be a multiple of ", f.values, " for format ", format,
+              ", got ", in_features);
+  return in_features / f.values * f.bytes;
+}
+
 void check_weight(const torch::Tensor& weight, int64_t format, int64_t in_features) {
   TORCH_CHECK(weight.device().is_cpu() && weight.dtype() == torch::kUInt8 && weight.dim() == 2 &&
-              weight.is_contiguous(), "quantized weight must be a contiguous 2-d uint8 CPU tensor");
-  TORCH_CHECK(in_features % QK == 0, "in_features must be a multiple of 32, got ", in_features);
-  TORCH_CHECK(weight.size(1) == in_features / QK * block_bytes(format),
-              "quantized weight rows hold ", weight.size(1), " bytes; format ", format, " with ", in_features,
-              " inputs needs ", in_features / QK * block_bytes(format));
+              weight.stride(1) == 1 && weight.stride(0) == weight.size(1),
+              "quantized weight must be a contiguous 2-d uint8 CPU tensor");
+  const int64_t bytes = row_bytes_of(format, in_features);
+  TORCH_CHECK(weight.size(1) == bytes, "quantized weight rows hold ", weight.size(1), " bytes; format ", format,
+              " with ", in_features, " inputs needs ", bytes);
 }
 
 }  // namespace
 
-// x [M, K] (any float dtype) @ dequantized(weight [N, K]).T -> [M, N] float32.
-torch::Tensor qmatmul(const torch::Tensor& x, const torch::Tensor& weight, int64_t format, bool use_simd) {
+// x [M, K] (any float dtype) @ [dequantized(weights[0]); dequantized(weights[1]); ...].T -> [M, sum N_i] float32:
+// the parts of a stacked matrix (q, k and v, say) may differ in format, and each is read where it lies.
+torch::Tensor qmatmul_parts(const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
+                            const std::vector<int64_t>& formats, bool use_simd) {
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "x must be a 2-d CPU tensor");
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  check_weight(weight, format, K);
+  TORCH_CHECK(!weights.empty() && weights.size() == formats.size(), "one format per weight part");
+  const int64_t M = x.size(0), K = x.size(1);
+  int64_t N = 0;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    check_weight(weights[i], formats[i], K);
+    N += weights[i].size(0);
+  }
   auto out = torch::empty({M, N}, torch::kFloat32);
   if (M == 0) return out;
 #if defined(__AVX2__)
@@ -519,14 +765,28 @@ torch::Tensor qmatmul(const torch::Tensor& x, const torch::Tensor& weight, int64
 #else
   const bool interleaved = false;
 #endif
-  const QuantRows quantized = quantize_rows(x, format, interleaved);
-  const uint8_t* w = weight.data_ptr<uint8_t>();
+  TORCH_CHECK(K % QK == 0, "in_features must be a multiple of 32, got ", K);
+  c10::optional<QuantRows> by_order[2];  // the activations quantized once per order the parts need
   float* o = out.data_ptr<float>();
-  const int64_t row_bytes = weight.size(1);
-  at::parallel_for(0, N, WEIGHT_TILE * 4, [&](int64_t begin, int64_t end) {
-    matmul_range(format, w, row_bytes, quantized, o, N, begin, end, use_simd);
-  });
+  int64_t column = 0;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const int64_t format = formats[i], rows = weights[i].size(0), row_bytes = weights[i].size(1);
+    auto& quantized = by_order[FORMATS[format].nibble_order ? 1 : 0];
+    if (!quantized.has_value()) quantized = quantize_rows(x, FORMATS[format].nibble_order, interleaved);
+    const uint8_t* w = weights[i].data_ptr<uint8_t>();
+    float* part_out = o + column;
+    const QuantRows& xq = *quantized;
+    at::parallel_for(0, rows, WEIGHT_TILE * 4, [&](int64_t begin, int64_t end) {
+      matmul_range(format, w, row_bytes, xq, part_out, N, begin, end, use_simd);
+    });
+    column += rows;
+  }
   return out;
+}
+
+// x [M, K] (any float dtype) @ dequantized(weight [N, K]).T -> [M, N] float32.
+torch::Tensor qmatmul(const torch::Tensor& x, const torch::Tensor& weight, int64_t format, bool use_simd) {
+  return qmatmul_parts(x, {weight}, {format}, use_simd);
 }
 
 // The rows `index` [T] (int64) of a quantized matrix, dequantized -> [T, K] float32 (an embedding lookup).
@@ -542,30 +802,14 @@ torch::Tensor dequantize_rows(const torch::Tensor& weight, int64_t format, int64
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(ids[t] >= 0 && ids[t] < N, "row index ", ids[t], " out of range for ", N, " rows");
   at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    int v[QK];
     for (int64_t t = begin; t < end; ++t) {
       const uint8_t* row = w + ids[t] * row_bytes;
-      float* dst = o + t * in_features;
       for (int64_t b = 0; b < nb; ++b) {
-        float* v = dst + b * QK;
-        if (format == Q8_0) {
-          const auto* blk = reinterpret_cast<const BlockQ8_0*>(row) + b;
-          const float d = half_to_float(blk->d);
-          for (int j = 0; j < QK; ++j) v[j] = d * blk->q[j];
-        } else if (format == Q4_0) {
-          const auto* blk = reinterpret_cast<const BlockQ4_0*>(row) + b;
-          const float d = half_to_float(blk->d);
-          for (int j = 0; j < 16; ++j) {
-            v[j] = d * ((blk->q[j] & 0x0F) - 8);
-            v[j + 16] = d * ((blk->q[j] >> 4) - 8);
-          }
-        } else {
-          const auto* blk = reinterpret_cast<const BlockQ4_1*>(row) + b;
-          const float d = half_to_float(blk->d), m = half_to_float(blk->m);
-          for (int j = 0; j < 16; ++j) {
-            v[j] = d * (blk->q[j] & 0x0F) + m;
-            v[j + 16] = d * (blk->q[j] >> 4) + m;
-          }
-        }
+        float dA, dB, m;
+        block_weights(format, row, b, v, dA, dB, m);
+        float* dst = o + t * in_features + b * QK;
+        for (int j = 0; j < QK; ++j) dst[j] = (j < 16 ? dA : dB) * static_cast<float>(v[j]) + m;
       }
     }
   });
@@ -592,6 +836,7 @@ std::string instruction_set() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qmatmul", &qmatmul, "x [M, K] @ dequantized(weight [N, K]).T -> [M, N] float32");
+  m.def("qmatmul_parts", &qmatmul_parts, "x [M, K] @ the stacked dequantized parts .T -> [M, sum N] float32");
   m.def("dequantize_rows", &dequantize_rows, "rows of a quantized matrix as float32");
   m.def("layer_step", &layer_step, "one decoder layer over a cached forward's new tokens, in place");
   m.def("race_argmax", &race_argmax, "a seeded sample per row by the exponential race (Gumbel-max)");

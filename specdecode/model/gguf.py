@@ -10,6 +10,8 @@ import functools
 import mmap
 import re
 import struct
+import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -320,8 +322,9 @@ def gguf_state_dict(ckpt: GGUFCheckpoint, config: ModelConfig, dtype: torch.dtyp
     loader's unexpected-weight check under their GGUF name.
 
     keep: GGUF tensor types (e.g. {"Q4_1": "q4_1"}) whose 2-d tensors are returned as shipped instead, as
-    (format, uint8 [rows, bytes]) pairs - a copy of the file's bytes, rows in PyTorch's order (q/k unpermuted)."""
-    state = {}
+    (format, uint8 [rows, bytes]) pairs over the file's memory map (no copy; llama's q/k, whose rows are put back
+    in PyTorch's order, are copies). Other matrices are dequantised, saying so in one line."""
+    state, dequantised = {}, set()
     permuted = ckpt.architecture in PERMUTED_QK_ARCHITECTURES
     for tensor in ckpt.reader.tensors:
         if tensor.name in DERIVED_TENSORS:
@@ -329,13 +332,15 @@ def gguf_state_dict(ckpt: GGUFCheckpoint, config: ModelConfig, dtype: torch.dtyp
         name = hf_name(tensor.name) or tensor.name
         kind = tensor.tensor_type.name
         if keep and kind in keep and len(tensor.shape) == 2:
-            rows = torch.from_numpy(np.array(tensor.data, dtype=np.uint8, copy=True))  # [rows, bytes]
+            rows = _in_place(tensor.data)  # [rows, bytes], the file's bytes where they lie
             if permuted and name.endswith("q_proj.weight"):
                 rows = unpermute_rows(rows, config.num_attention_heads).contiguous()
             elif permuted and name.endswith("k_proj.weight"):
                 rows = unpermute_rows(rows, config.num_key_value_heads).contiguous()
             state[name] = (keep[kind], rows)
             continue
+        if keep and len(tensor.shape) == 2 and kind not in ("F32", "F16", "BF16"):
+            dequantised.add(kind)
         values = dequantize(tensor, ckpt.path)
         if not values.flags.writeable:  # F32 comes back as a view of the read-only memory map
             values = values.copy()
@@ -345,5 +350,16 @@ def gguf_state_dict(ckpt: GGUFCheckpoint, config: ModelConfig, dtype: torch.dtyp
         elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
             weight = unpermute_rows(weight, config.num_key_value_heads)
         state[name] = weight.to(dtype)
+    if dequantised:
+        print(f"specdecode: {ckpt.path.name}: tensors of type {', '.join(sorted(dequantised))} are dequantised to "
+              f"{str(dtype).removeprefix('torch.')} (the kernels keep {', '.join(keep)} quantized)", file=sys.stderr,
+              flush=True)
     return state
+
+
+def _in_place(data: np.ndarray) -> torch.Tensor:
+    """A tensor over the bytes of a read-only memory map, without a copy (the model never writes its weights)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(data)
 

@@ -1,4 +1,6 @@
-"""The converted copy of a GGUF checkpoint, kept beside it so that only the first start pays for the GGUF.
+"""The converted copy of a GGUF checkpoint loaded with float weights (quantization none), kept in the specdecode
+cache (never beside the user's file) so that only the first start pays for the GGUF. A kept-quantized load (the
+default on CPUs) writes nothing: it uses the GGUF's matrices from its memory map (loading.read_quantized_gguf).
 
 Parsing a GGUF's metadata and dequantising its tensors takes seconds (most of a start, for SmolLM2); so the first
 load of a GGUF in a dtype writes one safetensors file of the dequantised weights under their HF names, with the
@@ -53,9 +55,9 @@ class InvalidCache(Exception):
 
 
 def cache_folders(gguf_path: Path) -> list[Path]:
-    """Where the converted files of a GGUF may be: beside it, or (when its folder is not writable) in the
-    specdecode cache, in a folder named by a digest of the GGUF's full path."""
-    return [gguf_path.parent, cache_dir() / "converted" / hashlib.sha256(str(gguf_path).encode()).hexdigest()[:16]]
+    """Where the converted files of a GGUF are: in the specdecode cache, in a folder named by a digest of the
+    GGUF's full path (never beside the user's file)."""
+    return [cache_dir() / "converted" / hashlib.sha256(str(gguf_path).encode()).hexdigest()[:16]]
 
 
 def cache_locations(gguf_path: Path, dtype: str) -> list[Path]:
@@ -63,15 +65,12 @@ def cache_locations(gguf_path: Path, dtype: str) -> list[Path]:
     return [folder / (gguf_path.stem + SUFFIX.format(dtype=dtype)) for folder in cache_folders(gguf_path)]
 
 
-def read_gguf(gguf_path: Path, dtype: torch.dtype,
-              keep: dict[str, str] | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def read_gguf(gguf_path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """The config and the weights (HF names, in `dtype`) of a GGUF: from its converted file when one is valid,
-    else dequantised from the GGUF now and written for the next start.
-
-    keep: GGUF tensor types kept as shipped (see gguf_state_dict): those weights come as (format, uint8 rows)
-    pairs, and the converted file ("{dtype}-quantized") holds their bytes."""
+    else dequantised from the GGUF now and written for the next start. (Kept-quantized loads read the GGUF itself:
+    loading.read_quantized_gguf.)"""
     gguf_path = _absolute(gguf_path)
-    dtype_name = str(dtype).removeprefix("torch.") + ("-quantized" if keep else "")
+    dtype_name = str(dtype).removeprefix("torch.")
     problems = []
     for path in cache_locations(gguf_path, dtype_name):
         if not path.is_file():
@@ -85,16 +84,10 @@ def read_gguf(gguf_path: Path, dtype: torch.dtype,
         if metadata["gguf.mtime_ns"] != str(stat.st_mtime_ns):  # the same bytes, copied or touched: note the
             metadata["gguf.mtime_ns"] = str(stat.st_mtime_ns)  # new time, so the next start need not re-hash
             _write([path], state, _sealed(metadata), stat.st_mode)
-        return _config(metadata), _with_formats(state, metadata)
+        return _config(metadata), state
     why = f"again: {problems[0]}" if problems else "once; later starts read the converted file"
     print(f"specdecode: converting {gguf_path.name} to {dtype_name} ({why}) ...", file=sys.stderr, flush=True)
-    return _convert(gguf_path, dtype, dtype_name, keep)
-
-
-def _with_formats(state: dict[str, torch.Tensor], metadata: dict[str, str]) -> dict:
-    """The kept-quantized tensors of a converted file as (format, rows) pairs again."""
-    formats = json.loads(metadata.get("quantized", "{}"))
-    return {name: (formats[name], tensor) if name in formats else tensor for name, tensor in state.items()}
+    return _convert(gguf_path, dtype, dtype_name)
 
 
 def gguf_model_config(gguf_path: Path) -> ModelConfig:
@@ -115,16 +108,13 @@ def gguf_tokenizer_spec(gguf_path: Path) -> GGUFTokenizerSpec:
 # -- conversion -------------------------------------------------------------------------------------------------
 
 
-def _convert(gguf_path: Path, dtype: torch.dtype, dtype_name: str,
-             keep: dict[str, str] | None) -> tuple[ModelConfig, dict]:
+def _convert(gguf_path: Path, dtype: torch.dtype, dtype_name: str) -> tuple[ModelConfig, dict]:
     stat = gguf_path.stat()  # before reading: a GGUF replaced meanwhile then reads as changed at the next start
     ckpt = open_gguf(gguf_path)
     config = gguf_config(ckpt)
-    loaded = gguf_state_dict(ckpt, config, dtype, keep=keep)
-    formats = {name: value[0] for name, value in loaded.items() if isinstance(value, tuple)}
-    state = {name: (value[1] if isinstance(value, tuple) else value).contiguous() for name, value in loaded.items()}
+    loaded = gguf_state_dict(ckpt, config, dtype)
+    state = {name: value.contiguous() for name, value in loaded.items()}
     metadata = {"format": "pt", "specdecode.cache": CACHE_VERSION, "dtype": dtype_name,
-                "quantized": json.dumps(formats, sort_keys=True),
                 "gguf.size": str(stat.st_size), "gguf.mtime_ns": str(stat.st_mtime_ns),
                 "gguf.sha256": sha256_file(gguf_path), "config": json.dumps(dataclasses.asdict(config))}
     try:
@@ -221,7 +211,7 @@ def _cached_metadata(gguf_path: Path) -> dict[str, str] | None:
 
 
 def _absolute(path: Path) -> Path:
-    """The path made absolute, its symbolic links kept: the converted file goes beside the name the user gave
+    """The path made absolute, its symbolic links kept: the converted file is named by the name the user gave
     (a Hugging Face cache links snapshot names to blobs named by hash)."""
     return Path(os.path.abspath(path))
 

@@ -193,10 +193,10 @@ class LlamaForCausalLM(nn.Module):
             for layer in layers:
                 attn, mlp = layer.self_attn, layer.mlp
                 args.append((layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
-                             layer.input_layernorm.eps, attn.qkv_proj.qweight, attn.qkv_proj.format_id,
-                             attn.qkv_proj.bias, attn.o_proj.qweight, attn.o_proj.format_id,
-                             mlp.gate_up_proj.qweight, mlp.gate_up_proj.format_id, mlp.down_proj.qweight,
-                             mlp.down_proj.format_id))
+                             layer.input_layernorm.eps, attn.qkv_proj.qweights, attn.qkv_proj.format_ids,
+                             attn.qkv_proj.bias, attn.o_proj.qweights, attn.o_proj.format_ids,
+                             mlp.gate_up_proj.qweights, mlp.gate_up_proj.format_ids, mlp.down_proj.qweights,
+                             mlp.down_proj.format_ids))
             prepared = (module.layer_step, args, layers[0].self_attn.num_heads, layers[0].self_attn.num_kv_heads)
         self.__dict__["_fused_layers"] = prepared
         return prepared

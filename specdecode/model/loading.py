@@ -17,12 +17,12 @@ from safetensors.torch import load_file, save_file
 from specdecode.errors import CheckpointError, ConfigError
 from specdecode.hardware import cpu_has_native_bf16
 from specdecode.model.config import ModelConfig
-from specdecode.model.gguf import find_gguf
+from specdecode.model.gguf import find_gguf, gguf_config, gguf_state_dict, open_gguf
 from specdecode.model.gguf_cache import gguf_model_config, read_gguf
 from specdecode.model.linear import QUANTIZATIONS as FLOAT_QUANTIZATIONS
 from specdecode.model.linear import prepare_for_inference
 from specdecode.model.llama import LlamaForCausalLM
-from specdecode.model.quant import BLOCK_BYTES, GGUF_FORMATS, QuantEmbedding, attach_quantized, quantize_linears
+from specdecode.model.quant import BLOCKS, GGUF_FORMATS, QuantEmbedding, attach_quantized, quantize_linears
 from specdecode.model.quant import QUANTIZATIONS as KEPT_QUANTIZATIONS
 
 CHOICES = ("auto", "none", "gguf", "q8_0", "q4_0", "q4_1", "int8")
@@ -111,16 +111,18 @@ def read_config(path: str | Path) -> ModelConfig:
 
 
 def read_quantized_gguf(gguf_path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict, str]:
-    """read_checkpoint for a GGUF whose matrices stay as shipped: Q8_0/Q4_0/Q4_1 ones as (format, bytes) pairs
-    (see gguf_state_dict), the rest dequantised to dtype (through the converted copy, gguf_cache.py)."""
-    config, state = read_gguf(gguf_path, dtype, keep=GGUF_FORMATS)
-    return config, state, f"the metadata of {gguf_path.name}"
+    """read_checkpoint for a GGUF whose matrices stay as shipped: those of a type the kernels multiply as
+    (format, bytes) pairs over the file's memory map (see gguf_state_dict), the rest (norms, biases) dequantised
+    to dtype. Nothing is written: the matrices are used where they lie."""
+    ckpt = open_gguf(gguf_path)
+    config = gguf_config(ckpt)
+    return config, gguf_state_dict(ckpt, config, dtype, keep=GGUF_FORMATS), f"the metadata of {gguf_path.name}"
 
 
 def _shape(value) -> tuple[int, ...]:
     if isinstance(value, tuple):  # (format, uint8 rows): rows x (bytes / block bytes * 32) weights
         fmt, rows = value
-        return rows.shape[0], rows.shape[1] // BLOCK_BYTES[fmt] * 32
+        return rows.shape[0], rows.shape[1] // BLOCKS[fmt][1] * BLOCKS[fmt][0]
     return tuple(value.shape)
 
 

@@ -21,15 +21,31 @@ from torch import nn
 
 from specdecode.errors import ConfigError
 
-FORMATS = {"q8_0": 0, "q4_0": 1, "q4_1": 2}
+FORMATS = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "q5_0": 3, "q5_1": 4, "q4_k": 5, "q5_k": 6, "q6_k": 7}
 """Block formats the kernels multiply, with their ids in quant.cpp."""
-BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
-"""Bytes per block of 32 weights."""
-GGUF_FORMATS = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
-"""GGUF tensor types kept as shipped."""
-QUANTIZATIONS = ("gguf", *FORMATS)
+BLOCKS = {"q8_0": (32, 34), "q4_0": (32, 18), "q4_1": (32, 20), "q5_0": (32, 22), "q5_1": (32, 24),
+          "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210)}
+"""(values, bytes) of one block of each format (quant.cpp's FORMATS table)."""
+GGUF_FORMATS = {name.upper(): name for name in FORMATS}
+"""GGUF tensor types kept as shipped (every other type is dequantised at load)."""
+QUANTIZE_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+"""Formats a float matrix can be quantized to at load (gguf's reference rounding; K-quants it cannot write)."""
+QUANTIZATIONS = ("gguf", "q8_0", "q4_0", "q4_1")
 """What `quantization=` takes for kept-quantized weights: 'gguf' (a GGUF's matrices as shipped) or a format
 (every matrix quantized to it at load)."""
+
+
+def row_bytes(fmt: str, in_features: int) -> int:
+    """Bytes of one row of `in_features` weights in format fmt."""
+    values, size = BLOCKS[fmt]
+    if in_features % values:
+        raise ConfigError(f"a {fmt} row holds whole blocks of {values} weights, not {in_features}")
+    return in_features // values * size
+
+
+def bytes_per_weight(fmt: str) -> float:
+    values, size = BLOCKS[fmt]
+    return size / values
 
 
 def kernels():
@@ -56,6 +72,8 @@ def quantize(weight: torch.Tensor, fmt: str) -> torch.Tensor:
     """weight [N, K] (K a multiple of 32) -> uint8 [N, K / 32 * block bytes] in GGUF's layout and rounding."""
     from gguf.quants import quantize as gguf_quantize
 
+    if fmt not in QUANTIZE_FORMATS:
+        raise ConfigError(f"cannot quantize to {fmt} here; use one of {', '.join(QUANTIZE_FORMATS)}")
     if weight.shape[-1] % 32:
         raise ConfigError(f"cannot quantize a matrix with {weight.shape[-1]} inputs to {fmt}: blocks are 32 wide")
     data = gguf_quantize(weight.detach().float().cpu().numpy(), _ggml_type(fmt))
@@ -72,42 +90,65 @@ def dequantize(qweight: torch.Tensor, fmt: str, in_features: int) -> torch.Tenso
     return torch.from_numpy(np.ascontiguousarray(values.reshape(qweight.shape[0], in_features)))
 
 
-class QuantLinear(nn.Module):
-    """y = x @ W.T (+ b) with W block-quantized (`qweight` [out, bytes], uint8); inference only."""
+Part = tuple[str, torch.Tensor]
+"""One block-quantized matrix: (format, uint8 rows [rows, bytes])."""
 
-    def __init__(self, qweight: torch.Tensor, fmt: str, in_features: int, out_features: int,
+
+class QuantLinear(nn.Module):
+    """y = x @ W.T (+ b) with W block-quantized, inference only. W may be stacked from parts of different formats
+    (a Q4_K_M file's q/k in Q4_K beside its v in Q6_K): the kernel reads each part where it lies (a GGUF's memory
+    map) and writes its columns of the output."""
+
+    def __init__(self, parts: list[Part] | Part, in_features: int, out_features: int,
                  bias: torch.Tensor | None = None, dtype: torch.dtype = torch.float32):
         super().__init__()
-        if fmt not in FORMATS:
-            raise ConfigError(f"weight format {fmt!r} is not one of {', '.join(FORMATS)}")
-        if tuple(qweight.shape) != (out_features, in_features // 32 * BLOCK_BYTES[fmt]):
-            raise ConfigError(f"a {fmt} matrix of {out_features} x {in_features} holds {out_features} rows of "
-                              f"{in_features // 32 * BLOCK_BYTES[fmt]} bytes, not {tuple(qweight.shape)}")
-        self.fmt, self.format_id = fmt, FORMATS[fmt]
+        parts = [parts] if isinstance(parts, tuple) else list(parts)
+        for fmt, rows in parts:
+            if fmt not in FORMATS:
+                raise ConfigError(f"weight format {fmt!r} is not one of {', '.join(FORMATS)}")
+            if rows.dim() != 2 or rows.shape[1] != row_bytes(fmt, in_features):
+                raise ConfigError(f"a {fmt} matrix with {in_features} inputs holds rows of "
+                                  f"{row_bytes(fmt, in_features)} bytes, not {tuple(rows.shape)}")
+        if sum(rows.shape[0] for _, rows in parts) != out_features:
+            raise ConfigError(f"the parts of a {in_features} x {out_features} matrix hold "
+                              f"{sum(rows.shape[0] for _, rows in parts)} rows")
+        self.formats = [fmt for fmt, _ in parts]
+        self.format_ids = [FORMATS[fmt] for fmt in self.formats]
+        for i, (_, rows) in enumerate(parts):
+            self.register_buffer(f"qweight{i}", rows)
         self.in_features, self.out_features = in_features, out_features
-        self.register_buffer("qweight", qweight)
         self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
         self.value_dtype = dtype  # what state_dict() and .weight give, and the output's dtype
-        self._kernel = require_kernels().qmatmul
+        self._kernel = require_kernels().qmatmul_parts
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, fmt: str) -> "QuantLinear":
         bias = None if linear.bias is None else linear.bias.detach()
-        return cls(quantize(linear.weight, fmt), fmt, linear.in_features, linear.out_features, bias,
+        return cls((fmt, quantize(linear.weight, fmt)), linear.in_features, linear.out_features, bias,
                    linear.weight.dtype)
+
+    @property
+    def fmt(self) -> str:
+        """The format of its parts ('q4_k+q6_k' where they differ)."""
+        return "+".join(dict.fromkeys(self.formats))
+
+    @property
+    def qweights(self) -> list[torch.Tensor]:
+        return [getattr(self, f"qweight{i}") for i in range(len(self.formats))]
 
     @property
     def weight(self) -> torch.Tensor:
         """A dequantized copy [out, in] (made on every access)."""
-        return dequantize(self.qweight, self.fmt, self.in_features).to(self.value_dtype)
+        return torch.cat([dequantize(rows, fmt, self.in_features) for fmt, rows in zip(self.formats, self.qweights)]
+                         ).to(self.value_dtype)
 
     def bytes_read(self) -> int:
         bias = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
-        return self.qweight.numel() + bias
+        return sum(rows.numel() for rows in self.qweights) + bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        out = self._kernel(flat, self.qweight, self.format_id, True)  # [M, out] float32
+        out = self._kernel(flat, self.qweights, self.format_ids, True)  # [M, out] float32
         if self.bias is not None:
             out += self.bias
         if x.dtype != torch.float32:
@@ -191,56 +232,47 @@ STACKS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_a
 def attach_quantized(model: nn.Module, state: dict, dtype: torch.dtype) -> None:
     """Put the quantized matrices of `state` (name -> (format, uint8 rows), see gguf_state_dict's keep) into
     model (built on the meta device, llama.py's LlamaForCausalLM) as QuantLinear / QuantEmbedding modules, and
-    take them out of state. A stack whose parts differ in format (mixed GGUF types) is dequantized instead: its
-    parts are left in state as float tensors for the usual load."""
+    take them out of state. A stack (q/k/v, gate/up) keeps each part's rows where they are, in its own format; a
+    stack with a part that is not quantized is dequantized instead (its parts stay in state as float tensors)."""
     require_kernels()
-
-    def take(name: str):
-        fmt, rows = state.pop(name + ".weight")
-        return fmt, rows
 
     def dequantize_in_place(names):
         for name in names:
             key = name + ".weight"
             if isinstance(state.get(key), tuple):
                 fmt, rows = state[key]
-                state[key] = dequantize(rows, fmt, rows.shape[1] // BLOCK_BYTES[fmt] * 32)
+                state[key] = dequantize(rows, fmt, rows.shape[1] // BLOCKS[fmt][1] * BLOCKS[fmt][0])
 
     for i, layer in enumerate(model.model.layers):
         prefix = f"model.layers.{i}."
-        for stacked, parts in STACKS.items():
-            keys = [prefix + part + ".weight" for part in parts]
-            kinds = {state[k][0] if isinstance(state.get(k), tuple) else None for k in keys}
-            if len(kinds) != 1 or None in kinds:
-                dequantize_in_place(prefix + part for part in parts)
+        for stacked, names in STACKS.items():
+            keys = [prefix + name + ".weight" for name in names]
+            if not all(isinstance(state.get(k), tuple) for k in keys):
+                dequantize_in_place(prefix + name for name in names)
                 continue
-            taken = [take(prefix + part) for part in parts]
-            fmt, rows = taken[0][0], torch.cat([r for _, r in taken])
             parent, attr = stacked.split(".")
             old = getattr(getattr(layer, parent), attr)
             bias = None
             if old.bias is not None:
-                bias_keys = [prefix + part + ".bias" for part in parts]
+                bias_keys = [prefix + name + ".bias" for name in names]
                 if all(k in state for k in bias_keys):
                     bias = torch.cat([state.pop(k) for k in bias_keys])
             setattr(getattr(layer, parent), attr,
-                    QuantLinear(rows, fmt, old.in_features, old.out_features, bias, dtype))
+                    QuantLinear([state.pop(k) for k in keys], old.in_features, old.out_features, bias, dtype))
         for single in ("self_attn.o_proj", "mlp.down_proj"):
             key = prefix + single + ".weight"
             if isinstance(state.get(key), tuple):
                 parent, attr = single.split(".")
                 old = getattr(getattr(layer, parent), attr)
-                fmt, rows = take(prefix + single)
-                setattr(getattr(layer, parent), attr, QuantLinear(rows, fmt, old.in_features, old.out_features,
-                                                                  None, dtype))
+                setattr(getattr(layer, parent), attr,
+                        QuantLinear(state.pop(key), old.in_features, old.out_features, None, dtype))
     config = model.config
     embed = state.get("model.embed_tokens.weight")
     if isinstance(embed, tuple):
-        fmt, rows = take("model.embed_tokens")
+        fmt, rows = state.pop("model.embed_tokens.weight")
         model.model.embed_tokens = QuantEmbedding(rows, fmt, config.vocab_size, config.hidden_size, dtype)
         if config.tie_word_embeddings:
-            model.lm_head = QuantLinear(rows, fmt, config.hidden_size, config.vocab_size, None, dtype)
+            model.lm_head = QuantLinear((fmt, rows), config.hidden_size, config.vocab_size, None, dtype)
     if isinstance(state.get("lm_head.weight"), tuple):
-        fmt, rows = take("lm_head")
-        model.lm_head = QuantLinear(rows, fmt, config.hidden_size, config.vocab_size, None, dtype)
+        model.lm_head = QuantLinear(state.pop("lm_head.weight"), config.hidden_size, config.vocab_size, None, dtype)
     dequantize_in_place(k.removesuffix(".weight") for k, v in list(state.items()) if isinstance(v, tuple))

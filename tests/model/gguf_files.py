@@ -72,6 +72,22 @@ def _random_k_blocks(rows: int, cols: int, kind: str, rng: np.random.Generator) 
     return data.reshape(rows, -1)
 
 
+def random_blocks(fmt: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Valid data of any kept format ('q4_k', 'q5_0', ...) [rows, bytes]: random quants, random sub-scales, and
+    float16 scales small enough that the weights stay near +-0.2."""
+    kind = fmt.upper()
+    if kind in K_QUANT_LAYOUT:
+        return _random_k_blocks(rows, cols, kind, rng)
+    size, scale_offsets, d = {"Q8_0": (34, (0,), 1.5e-3), "Q4_0": (18, (0,), 0.02), "Q4_1": (20, (0, 2), 0.01),
+                              "Q5_0": (22, (0,), 0.01), "Q5_1": (24, (0, 2), 5e-3)}[kind]
+    data = rng.integers(0, 256, size=(rows, cols // 32, size), dtype=np.uint8)
+    for i, offset in enumerate(scale_offsets):  # d > 0; Q4_1 / Q5_1's offset m of either sign
+        scale = rng.uniform(0.5 * d, d, size=(rows, cols // 32)) * (rng.choice([-4.0, 4.0], (rows, cols // 32))
+                                                                     if i else 1.0)
+        data[:, :, offset:offset + 2] = scale.astype(np.float16).view(np.uint8).reshape(rows, cols // 32, 2)
+    return data.reshape(rows, -1)
+
+
 def tokenizer_metadata(tokenizer_json: Path) -> tuple[list[str], list[int], list[str], dict]:
     """(tokens, token types, merges, {special name: id}) of a byte-level BPE tokenizer.json."""
     raw = json.loads(Path(tokenizer_json).read_text())

@@ -67,7 +67,8 @@ def tokenizer_outputs(tok: Tokenizer) -> tuple:
 
 
 def converted_files(gguf_path: Path) -> list[Path]:
-    return sorted(gguf_path.parent.glob(f"{gguf_path.stem}.specdecode-*"))
+    folder, = gguf_cache.cache_folders(Path(os.path.abspath(gguf_path)))
+    return sorted(folder.glob(f"{gguf_path.stem}.specdecode-*"))
 
 
 def test_second_load_reads_the_converted_file(gguf_file, capsys, no_gguf_parse):
@@ -180,18 +181,16 @@ def test_interrupted_conversion_leaves_no_file(gguf_file, tmp_path, capsys, monk
     assert "converting" in capsys.readouterr().err and len(converted_files(gguf_file)) == 1
 
 
-def test_read_only_folder_converts_into_the_cache(gguf_file, tmp_path, capsys, monkeypatch, no_gguf_parse):
+def test_nothing_is_written_beside_the_gguf(gguf_file, tmp_path, capsys, monkeypatch, no_gguf_parse):
+    """The converted copy of a float load lives in the specdecode cache, and a kept-quantized load (the default on
+    CPUs) writes nothing at all: the user's folder holds only their file."""
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
-    mkstemp = tempfile.mkstemp
-
-    def read_only_model_folder(*args, dir=None, **kwargs):
-        if Path(dir) == gguf_file.parent:
-            raise PermissionError(13, "Permission denied")
-        return mkstemp(*args, dir=dir, **kwargs)
-
-    monkeypatch.setattr(tempfile, "mkstemp", read_only_model_folder)
+    from specdecode.model.quant import kernels
+    if kernels() is not None:
+        load_model(gguf_file, dtype="float32", device="cpu", quantization="gguf")
+        assert not (tmp_path / "cache").exists()
     reference = weights(load_model(gguf_file, dtype="float32", device="cpu"))
-    assert converted_files(gguf_file) == []
+    assert [p.name for p in gguf_file.parent.iterdir()] == [gguf_file.name]
     converted, = (tmp_path / "cache" / "converted").glob("*/tiny.specdecode-float32.safetensors")
     no_gguf_parse()
     assert_same_weights(weights(load_model(gguf_file, dtype="float32", device="cpu")), reference)

@@ -10,12 +10,16 @@ from torch import nn
 from specdecode.errors import ConfigError
 from specdecode.model.digest import weights_digest
 from specdecode.model.loading import load_model
-from specdecode.model.quant import (BLOCK_BYTES, FORMATS, QuantEmbedding, QuantLinear, dequantize, kernels, quantize,
-                                    quantized_format)
+from specdecode.model.quant import (BLOCKS, FORMATS, QUANTIZE_FORMATS, QuantEmbedding, QuantLinear, dequantize,
+                                    kernels, quantize, quantized_format, row_bytes)
 
-from .gguf_files import tiny_model, write_gguf
+from .gguf_files import random_blocks, tiny_model, write_gguf
 
 pytestmark = pytest.mark.skipif(kernels() is None, reason="the quantized kernels cannot be compiled here")
+
+ROW_LENGTHS = {32: [1, 2, 7, 8, 9, 16, 18, 28], 256: [1, 2, 3, 6]}
+"""Row lengths tested, in blocks: whole groups of 8 blocks of 32, a partial group, both (28 blocks: the 0.5B's 896
+inputs); a K-quant row is whole super-blocks of 256."""
 
 
 def quantized_activations(x: torch.Tensor) -> torch.Tensor:
@@ -26,33 +30,50 @@ def quantized_activations(x: torch.Tensor) -> torch.Tensor:
     return (steps * scale).reshape(x.shape)
 
 
-@pytest.mark.parametrize("fmt", sorted(FORMATS))
-@pytest.mark.parametrize("simd", [True, False])
-def test_matmul_equals_the_reference(fmt, simd):
-    torch.manual_seed(0)
-    weight = torch.randn(37, 96) * 0.1
-    x = torch.randn(11, 96)
-    q = quantize(weight, fmt)
-    assert q.shape == (37, 3 * BLOCK_BYTES[fmt]) and q.dtype == torch.uint8
-    reference = quantized_activations(x) @ dequantize(q, fmt, 96).double().T
-    out = kernels().qmatmul(x, q, FORMATS[fmt], simd)
-    assert out.dtype == torch.float32 and out.shape == (11, 37)
-    torch.testing.assert_close(out.double(), reference, rtol=1e-5, atol=1e-5)
-    # and the quantization itself is close to the float product (a check that the formats decode as meant): a
-    # 4-bit step of a Gaussian's range is ~0.4 sigma (error ~0.12 sigma), an 8-bit one ~0.05 sigma
-    exact = x @ weight.T
-    assert (out - exact).norm() / exact.norm() < (0.2 if fmt.startswith("q4") else 0.02)
-
-
-def test_dequantize_equals_gguf():
+def gguf_reference(q: torch.Tensor, fmt: str, in_features: int) -> torch.Tensor:
+    """gguf's (llama.cpp's Python reader's) dequantization of q [rows, bytes] -> float64 [rows, in_features]."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize as gguf_dequantize
 
-    weight = torch.randn(8, 64)
-    for fmt in FORMATS:
-        q = quantize(weight, fmt)
-        theirs = gguf_dequantize(q.numpy(), GGMLQuantizationType[fmt.upper()]).reshape(8, 64)
-        assert torch.equal(dequantize(q, fmt, 64), torch.from_numpy(np.ascontiguousarray(theirs)))
+    values = gguf_dequantize(q.numpy(), GGMLQuantizationType[fmt.upper()])
+    return torch.from_numpy(np.ascontiguousarray(values)).reshape(q.shape[0], in_features).double()
+
+
+def weights(fmt: str, rows: int, in_features: int, seed: int) -> torch.Tensor:
+    """Random valid blocks of fmt (random quants and sub-scales, small float16 scales) [rows, bytes]."""
+    return torch.from_numpy(random_blocks(fmt, rows, in_features, np.random.default_rng(seed)))
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("simd", [True, False])
+def test_matmul_equals_the_gguf_reference(fmt, simd):
+    """Every format, every row length tested: the product equals the int16-rounded activations times gguf's
+    dequantised weights to float32 rounding (relative 1e-5 of the largest output), and the lookup of rows equals
+    gguf's dequantization bit for bit."""
+    values = BLOCKS[fmt][0]
+    for blocks in ROW_LENGTHS[values]:
+        K = blocks * values
+        q = weights(fmt, 37, K, seed=blocks)
+        assert q.shape == (37, row_bytes(fmt, K)) and q.dtype == torch.uint8
+        reference = gguf_reference(q, fmt, K)
+        assert torch.equal(kernels().dequantize_rows(q, FORMATS[fmt], K, torch.arange(37)), reference.float())
+        x = torch.randn(11, K)
+        out = kernels().qmatmul(x, q, FORMATS[fmt], simd)
+        assert out.dtype == torch.float32 and out.shape == (11, 37)
+        expected = quantized_activations(x) @ reference.T
+        torch.testing.assert_close(out.double(), expected, rtol=0, atol=1e-5 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("fmt", sorted(QUANTIZE_FORMATS))
+def test_quantize_decodes_as_meant(fmt):
+    """quantize() writes gguf's layout: the product is close to the float one (a 4-bit step of a Gaussian's range
+    is ~0.4 sigma, error ~0.12 sigma; an 8-bit one ~0.05 sigma)."""
+    torch.manual_seed(0)
+    weight, x = torch.randn(37, 96) * 0.1, torch.randn(11, 96)
+    out, exact = kernels().qmatmul(x, quantize(weight, fmt), FORMATS[fmt], True), x @ weight.T
+    assert (out - exact).norm() / exact.norm() < {"q8_0": 0.02, "q5_0": 0.1, "q5_1": 0.1}.get(fmt, 0.2)
+    assert torch.equal(dequantize(quantize(weight, fmt), fmt, 96).double(),
+                       gguf_reference(quantize(weight, fmt), fmt, 96))
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
@@ -61,8 +82,8 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(fmt):
     of 1 to 8 rows and every remainder), with one or two threads splitting the outputs, among rows of other sizes;
     and it equals the scalar reference bit for bit (the float steps are the same fixed ones on every path)."""
     torch.manual_seed(1)
-    K = 19 * 32  # two whole groups of 8 blocks and a partial one
-    q = quantize(torch.randn(301, K) * 0.1, fmt)
+    K = 19 * 32 if BLOCKS[fmt][0] == 32 else 3 * 256  # (32-blocks: two whole groups of 8 blocks and a partial one)
+    q = weights(fmt, 301, K, seed=1)
     x = torch.randn(40, K)
     alone = torch.cat([kernels().qmatmul(x[i:i + 1], q, FORMATS[fmt], True) for i in range(40)])
     assert torch.equal(alone, kernels().qmatmul(x, q, FORMATS[fmt], False))
@@ -80,13 +101,32 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(fmt):
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
-@pytest.mark.parametrize("blocks", [1, 2, 7, 8, 9, 16, 18, 48])
-def test_every_row_length(fmt, blocks):
-    """Rows of whole groups of 8 blocks, a partial group, or both: the kernels equal the scalar reference bitwise."""
-    torch.manual_seed(blocks)
-    q = quantize(torch.randn(45, blocks * 32) * 0.1, fmt)
-    x = torch.randn(11, blocks * 32)
-    assert torch.equal(kernels().qmatmul(x, q, FORMATS[fmt], True), kernels().qmatmul(x, q, FORMATS[fmt], False))
+def test_every_row_length(fmt):
+    """Rows of whole groups, a partial group, or both: the kernels equal the scalar reference bitwise."""
+    values = BLOCKS[fmt][0]
+    for blocks in ROW_LENGTHS[values]:
+        q = weights(fmt, 45, blocks * values, seed=blocks)
+        x = torch.randn(11, blocks * values)
+        assert torch.equal(kernels().qmatmul(x, q, FORMATS[fmt], True), kernels().qmatmul(x, q, FORMATS[fmt], False))
+
+
+def test_a_stack_of_parts_in_different_formats():
+    """A stacked matrix whose parts differ in format (a Q4_K_M file's q/k in Q4_K, v in Q6_K) is the parts'
+    products side by side, bit for bit, whichever activation orders the parts need."""
+    parts = [("q4_k", weights("q4_k", 24, 512, 1)), ("q6_k", weights("q6_k", 8, 512, 2)),
+             ("q4_1", weights("q4_1", 5, 512, 3)), ("q8_0", weights("q8_0", 3, 512, 4))]
+    x = torch.randn(6, 512)
+    stacked = kernels().qmatmul_parts(x, [q for _, q in parts], [FORMATS[f] for f, _ in parts], True)
+    assert torch.equal(stacked, torch.cat([kernels().qmatmul(x, q, FORMATS[f], True) for f, q in parts], dim=1))
+    layer = QuantLinear(parts, 512, 40)
+    assert layer.fmt == "q4_k+q6_k+q4_1+q8_0" and layer.bytes_read() == sum(q.numel() for _, q in parts)
+    with torch.inference_mode():
+        assert torch.equal(layer(x), stacked)
+    torch.testing.assert_close(layer.weight.double(), torch.cat([gguf_reference(q, f, 512) for f, q in parts]))
+    with pytest.raises(ConfigError, match="hold 40 rows"):
+        QuantLinear(parts, 512, 41)
+    with pytest.raises(ConfigError, match="rows of 288 bytes"):
+        QuantLinear(("q4_k", weights("q4_k", 2, 256, 0)), 512, 2)
 
 
 def test_bad_weights_are_refused():
@@ -141,7 +181,7 @@ def test_gguf_matrices_kept_as_shipped(tiny_gguf):
     with torch.inference_mode():
         a, b = kept(ids).logits, dense(ids).logits
     assert (a - b).abs().max() < 0.05 * b.abs().max()
-    again = load_model(path, dtype="float32", quantization="gguf")  # from the converted copy this time
+    again = load_model(path, dtype="float32", quantization="gguf")  # the same file, mapped again
     with torch.inference_mode():
         assert torch.equal(again(ids).logits, a)
 
