@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from specdecode.catalog.registry import (DEFAULT_MODEL, MODELS, default_speculative_config, model_name,
+from specdecode.catalog.registry import (DEFAULT_MODEL, MODELS, default_speculative_config, is_name, model_name,
                                          resolve_model, shipped_speculator)
 from specdecode.cli.types import (SEED, SPECULATIVE_TOKENS, TEMPERATURE, THREADS, TOKENS, existing_path, float_range,
                                   int_range)
@@ -29,8 +29,9 @@ def add_model_args(p, dtype: str = "auto", adaptive: bool = True) -> None:
     spec = p.add_argument_group("speculative decoding")
     spec.add_argument("--speculative-method", choices=methods.names(), default=None,
                       help=", ".join(f"{name} ({methods.summary(name)})" for name in methods.names()))
-    spec.add_argument("--speculative-model", type=existing_path, default=None,
-                      help="draft checkpoint directory or .gguf (draft_model), speculator directory (eagle, medusa; "
+    spec.add_argument("--speculative-model", type=_speculative_model, default=None,
+                      help="draft checkpoint directory, .gguf or model name (draft_model; a name is fetched on first "
+                           "use), speculator directory (eagle, medusa; "
                            "default: the one shipped for the named model) or datastore directory (rest; default: the "
                            "named model's, built on first use)")
     spec.add_argument("--num-speculative-tokens", type=SPECULATIVE_TOKENS, default=None,
@@ -167,9 +168,19 @@ def speculative_config(args, default: dict | None = None) -> dict | None:
     return _fixed_k(args, config)
 
 
+def _speculative_model(text: str) -> Path:
+    """--speculative-model: an existing path, or a catalog name (a draft_model's draft, resolved with --model's)."""
+    return Path(text) if is_name(text) else existing_path(text)
+
+
 def _check_speculative_model(method: str, path: Path) -> None:
     """Refuse a --speculative-model that cannot be what the method needs, before any model loads."""
     kind = methods.get(method).model
+    if is_name(path):
+        if kind != "draft":
+            raise ConfigError(f"--speculative-model {path}: a model name is a draft for --speculative-method "
+                              f"draft_model, not for {method}; pass a directory")
+        return  # fetched and checked by the catalog (with_shipped_speculator)
     if kind == "draft":
         gguf = path.suffix == ".gguf" and path.is_file() or path.is_dir() and any(path.glob("*.gguf"))
         if not gguf and not (path / "config.json").is_file():

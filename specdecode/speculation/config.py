@@ -138,14 +138,21 @@ class SpeculativeConfig:
 
 def with_shipped_speculator(raw: "dict | SpeculativeConfig | None", model: str | Path | None):
     """Fill in the speculator shipped for a named model when an eagle/medusa/draft_model config names none (kept
-    as is when there is none: build_proposer then says what to pass)."""
-    from specdecode.catalog.registry import shipped_speculator
+    as is when there is none: build_proposer then says what to pass), and replace a draft given by catalog name
+    (e.g. "qwen2.5-coder-0.5b-instruct") by its GGUF, fetched on first use."""
+    from specdecode.catalog.registry import is_name, resolve, shipped_speculator
 
     method = raw.get("method") if isinstance(raw, dict) else getattr(raw, "method", None)
     given = raw.get("model") if isinstance(raw, dict) else getattr(raw, "model", None)
-    if raw is None or given or methods.get(method or "draft_model").model not in ("draft", "speculator"):
+    if raw is None:
         return raw
-    path = shipped_speculator(model, method)
+    kind = methods.get(method or "draft_model").model
+    if kind == "draft" and is_name(given):
+        path = resolve(str(given))
+    elif given or kind not in ("draft", "speculator"):
+        return raw
+    else:
+        path = shipped_speculator(model, method)
     if path is None:
         return raw
     return {**raw, "model": str(path)} if isinstance(raw, dict) else dataclasses.replace(raw, model=str(path))

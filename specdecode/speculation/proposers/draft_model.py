@@ -208,19 +208,22 @@ class DraftModelProposer:
 def _build(config, context) -> DraftModelProposer:
     from pathlib import Path
 
-    from specdecode.model.config import ModelConfig
-    from specdecode.model.loading import load_model
+    from specdecode.model.gguf import find_gguf
+    from specdecode.model.loading import load_model, read_config
     from specdecode.model.quant import speculator_format
     from specdecode.model.tokenizer import Tokenizer
     from specdecode.speculation.compat import check_compatible
 
     draft_dir = Path(config.model)
-    draft_cfg = ModelConfig.from_file(draft_dir / "config.json")
+    draft_cfg = read_config(draft_dir)  # a Hugging Face directory or a GGUF (what a catalog name resolves to)
     check_compatible(context.tokenizer, Tokenizer(draft_dir, draft_cfg.eos_token_ids), context.target.config,
                      draft_cfg)
-    # Beside a block-quantized target the draft's matrices are quantized too (Q8_0), on the same fused kernels.
-    draft = load_model(draft_dir, dtype=context.dtype, device=context.device,
-                       quantization=speculator_format(context.target))
+    # Beside a block-quantized target the draft's matrices are quantized too, on the same fused kernels: a GGUF
+    # draft's as shipped, any other's to Q8_0.
+    quantization = speculator_format(context.target)
+    if quantization is not None and find_gguf(draft_dir) is not None:
+        quantization = "gguf"
+    draft = load_model(draft_dir, dtype=context.dtype, device=context.device, quantization=quantization)
     return DraftModelProposer(DraftModelConfig(str(draft_dir), config.num_speculative_tokens, config.num_drafts),
                               draft)
 
