@@ -206,17 +206,23 @@ constexpr int64_t GROUP = 8;
 constexpr int64_t GROUP_VALUES = GROUP * QK;
 constexpr int64_t VECTORS = 16;  // int16 vectors of 16 values per group
 
-// Where the kernels' layout puts the values of a group: vector k, lane l (2 lanes per block, block l / 2) holds
-// element index_in_group(k, l) (block * 32 + element). This follows from how the weights are turned around below:
-// a vector of 8 dwords, dword i = bytes 4t..4t+3 of block i (its q bytes, or its expanded bytes), read as 16-bit
-// lanes (lane 2i + c = bytes 4t + 2c and 4t + 2c + 1).
-//   nibble order: vector 4t + s: s = 0 low nibble of the lane's first byte (element 4t + 2c), 1 its high nibble
+// Where the kernels' layouts put the values of a group: vector k, lane l holds element index_in_group(k, l)
+// (block * 32 + element). The turned-around orders (several activation rows a pass) follow from how the weights
+// are turned around below: a vector of 8 dwords, dword i = bytes 4t..4t+3 of block i (its q bytes, or its expanded
+// bytes), read as 16-bit lanes (lane 2i + c = bytes 4t + 2c and 4t + 2c + 1; 2 lanes per block, block l / 2).
+//   NIBBLES_TURNED: vector 4t + s: s = 0 low nibble of the lane's first byte (element 4t + 2c), 1 its high nibble
 //          (+16), 2 the second byte's low nibble (+1), 3 its high nibble (+17);
-//   byte order: vector 2t + s: s = 0 the first byte (element 4t + 2c), 1 the second (4t + 2c + 1).
-inline int index_in_group(bool nibble_order, int k, int lane) {
+//   BYTES_TURNED: vector 2t + s: s = 0 the first byte (element 4t + 2c), 1 the second (4t + 2c + 1).
+// One activation row (a decode step) takes its weights a block at a time, as two vectors of 16-bit lanes: the
+// block's even elements, then its odd ones (EVEN_ODD: vector 2b + s, lane l = element 2l + s of block b), which
+// is what reading 32 bytes (or 16 nibble pairs) as 16-bit lanes gives with a mask and a shift.
+enum Order : int { BYTES_TURNED = 0, NIBBLES_TURNED = 1, EVEN_ODD = 2 };
+
+inline int index_in_group(Order order, int k, int lane) {
+  if (order == EVEN_ODD) return (k / 2) * QK + 2 * lane + k % 2;
   const int block = lane / 2, c = lane % 2;
   int element;
-  if (!nibble_order) {
+  if (order == BYTES_TURNED) {
     element = 4 * (k / 2) + 2 * c + k % 2;
   } else {
     static constexpr int shift[4] = {0, 16, 1, 17};
@@ -235,16 +241,16 @@ struct QuantRows {
   int64_t rows, blocks, groups;
 };
 
-QuantRows quantize_rows(const torch::Tensor& x, bool nibble_order, bool interleaved) {
+QuantRows quantize_rows(const torch::Tensor& x, Order order, bool interleaved) {
   constexpr float LEVELS = 32767.f;
   auto xf = x.to(torch::kFloat32).contiguous();
   const int64_t M = xf.size(0), K = xf.size(1), nb = K / QK, ng = (nb + GROUP - 1) / GROUP;
   QuantRows out{torch::empty({M, ng * GROUP_VALUES}, torch::kInt16), torch::empty({M, ng * GROUP}, torch::kFloat32),
                 torch::empty({M, ng * GROUP}, torch::kFloat32), torch::empty({M, ng * GROUP}, torch::kInt32), M, nb,
                 ng};
-  int order[GROUP_VALUES];  // position in the stored group -> element of the natural group
+  int position[GROUP_VALUES];  // position in the stored group -> element of the natural group
   for (int k = 0; k < VECTORS; ++k)
-    for (int lane = 0; lane < 16; ++lane) order[k * 16 + lane] = index_in_group(nibble_order, k, lane);
+    for (int lane = 0; lane < 16; ++lane) position[k * 16 + lane] = index_in_group(order, k, lane);
   const float* src = xf.data_ptr<float>();
   int16_t* q = out.q.data_ptr<int16_t>();
   float* d = out.d.data_ptr<float>();
@@ -279,8 +285,8 @@ QuantRows quantize_rows(const torch::Tensor& x, bool nibble_order, bool interlea
         sums[at] = sum;
       }
       int16_t* dst = q + (interleaved ? g * M + m : i) * GROUP_VALUES;
-      if (interleaved && (g + 1) * GROUP <= nb) {
-        for (int p = 0; p < GROUP_VALUES; ++p) dst[p] = natural[order[p]];
+      if (interleaved && (order == EVEN_ODD || (g + 1) * GROUP <= nb)) {  // (turned orders: whole groups only)
+        for (int p = 0; p < GROUP_VALUES; ++p) dst[p] = natural[position[p]];
       } else {
         std::memcpy(dst, natural, sizeof(natural));
       }
@@ -487,17 +493,17 @@ inline void gather_scales(const uint8_t* blocks, __m256& d, __m256& m, int64_t c
 // A group's per-block scales as the reference computes them (dA, dB and m of block_weights), 8 lanes each.
 template <int F>
 inline void group_scales(const uint8_t* group, __m256& dA, __m256& dB, __m256& m, int64_t count) {
-  if constexpr (F == Q4_K || F == Q5_K) {
-    const float d = half_to_float(load16(group)), dmin = half_to_float(load16(group + 2));
-    alignas(32) float scale[8], min[8];
-    for (int j = 0; j < 8; ++j) {
-      int sc, mn;
-      k_scale_min(group + 4, j, sc, mn);
-      scale[j] = static_cast<float>(sc);
-      min[j] = static_cast<float>(mn);
-    }
-    dA = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_load_ps(scale));
-    m = _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(dmin), _mm256_load_ps(min)), _mm256_set1_ps(-0.f));  // -(dmin*m)
+  if constexpr (F == Q4_K || F == Q5_K) {  // the 12 bytes of 6-bit fields as 8 scale bytes and 8 min bytes
+    const uint32_t u0 = load32(group + 4), u1 = load32(group + 8), u2 = load32(group + 12);
+    const uint32_t low6 = 0x3F3F3F3F, low4 = 0x0F0F0F0F, top2 = 0x03030303;
+    const uint32_t scales_lo = u0 & low6, scales_hi = (u2 & low4) | (((u0 >> 6) & top2) << 4);
+    const uint32_t mins_lo = u1 & low6, mins_hi = ((u2 >> 4) & low4) | (((u1 >> 6) & top2) << 4);
+    const __m256 scale = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_setr_epi32(static_cast<int>(scales_lo),
+                                                                                  static_cast<int>(scales_hi), 0, 0)));
+    const __m256 min = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_setr_epi32(static_cast<int>(mins_lo),
+                                                                                static_cast<int>(mins_hi), 0, 0)));
+    dA = _mm256_mul_ps(_mm256_set1_ps(half_to_float(load16(group))), scale);
+    m = _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(half_to_float(load16(group + 2))), min), _mm256_set1_ps(-0.f));
     dB = dA;
   } else if constexpr (F == Q6_K) {
     const __m256 d = _mm256_set1_ps(half_to_float(load16(group + 208)));
@@ -645,6 +651,107 @@ void tile_avx2(const uint8_t* w, int64_t row_bytes, const RowsView& x, int64_t n
     UNROLL for (int r = 0; r < R; ++r) out[r * out_stride + j] = hsum(acc[j][r]);
 }
 
+// ---- one activation row (EVEN_ODD order): a block at a time, no turning around ----
+
+// Block b of a group as int16: E its even elements, O its odd ones (lane l: element 2l, 2l + 1); Q4_0's without
+// its offset (scale_group applies it).
+template <int F>
+inline void unpack_even_odd(const uint8_t* group, int b, __m256i& E, __m256i& O) {
+  const __m256i low4 = _mm256_set1_epi16(0x000F);
+  if constexpr (F == Q4_0 || F == Q4_1) {  // byte j: element j (low nibble), j + 16 (high)
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(group + b * TRAITS<F>.bytes +
+                                                                            (F == Q4_1 ? 4 : 2)));
+    const __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(packed), _mm_srli_epi16(packed, 4), 1);
+    E = _mm256_and_si256(v, low4);
+    O = _mm256_and_si256(_mm256_srli_epi16(v, 8), low4);
+  } else if constexpr (F == Q4_K || F == Q5_K) {  // 32 bytes: block 2c in the low nibbles, 2c + 1 in the high
+    const __m256i v = load256(group + (F == Q4_K ? 16 : 48) + 32 * (b / 2));
+    const __m256i nibbles = b % 2 == 0 ? v : _mm256_srli_epi16(v, 4);
+    E = _mm256_and_si256(nibbles, low4);
+    O = _mm256_and_si256(_mm256_srli_epi16(nibbles, 8), low4);
+    if constexpr (F == Q5_K) {  // bit b of each qh byte: of the lane's low byte for E, its high byte for O
+      const __m256i high = load256(group + 16), fifth = _mm256_set1_epi16(0x0010);
+      const __m256i even = b <= 4 ? _mm256_slli_epi16(high, 4 - b) : _mm256_srli_epi16(high, b - 4);
+      E = _mm256_or_si256(E, _mm256_and_si256(even, fifth));
+      O = _mm256_or_si256(O, _mm256_and_si256(_mm256_srli_epi16(high, 4 + b), fifth));
+    }
+  } else if constexpr (F == Q6_K) {
+    const int half = b / 4, quarter = b % 4;
+    const __m256i l = load256(group + 64 * half + 32 * (quarter % 2));
+    const __m256i qh = load256(group + 128 + 32 * half);
+    const __m256i two = _mm256_set1_epi16(0x0030), offset = _mm256_set1_epi16(32);
+    const int shift = 4 * (quarter / 2), bits = 2 * quarter;  // the nibble, and the 2 high bits in qh
+    const __m256i even = bits <= 4 ? _mm256_slli_epi16(qh, 4 - bits) : _mm256_srli_epi16(qh, bits - 4);
+    E = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l, shift), low4), _mm256_and_si256(even, two));
+    O = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l, 8 + shift), low4),
+                        _mm256_and_si256(_mm256_srli_epi16(qh, 4 + bits), two));
+    E = _mm256_sub_epi16(E, offset);
+    O = _mm256_sub_epi16(O, offset);
+  } else {  // Q8_0, Q5_0, Q5_1: the block's 32 values as (signed) bytes
+    __m256i y[GROUP];
+    expand<F>(group + b * TRAITS<F>.bytes, y, 1);
+    E = _mm256_srai_epi16(_mm256_slli_epi16(y[0], 8), 8);
+    O = _mm256_srai_epi16(y[0], 8);
+  }
+}
+
+// Eight blocks' int32 partial sums p[b] (dwords 0-3: the block's first 16 values, 4-7: its last 16) -> A = the
+// sums of the first halves, B = of the second halves, block b in lane b (exact).
+inline void halves8(const __m256i* p, __m256i& A, __m256i& B) {
+  const __m256i h01 = _mm256_hadd_epi32(p[0], p[1]), h23 = _mm256_hadd_epi32(p[2], p[3]);
+  const __m256i h45 = _mm256_hadd_epi32(p[4], p[5]), h67 = _mm256_hadd_epi32(p[6], p[7]);
+  const __m256i lo = _mm256_hadd_epi32(h01, h23), hi = _mm256_hadd_epi32(h45, h67);  // [A0..A3 | B0..B3], 4..7
+  A = _mm256_permute2x128_si256(lo, hi, 0x20);
+  B = _mm256_permute2x128_si256(lo, hi, 0x31);
+}
+
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 2048
+#endif
+
+// WR weight rows against the one activation row: out[j].
+template <int F, int WR>
+void gemv_avx2(const uint8_t* w, int64_t row_bytes, const RowsView& x, int64_t nb, float* out) {
+  __m256 acc[WR];
+  UNROLL for (int j = 0; j < WR; ++j) acc[j] = _mm256_setzero_ps();
+  const int64_t groups = (nb + GROUP - 1) / GROUP;
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t count = std::min<int64_t>(GROUP, nb - g * GROUP);  // (< 8: a 32-block format's last group)
+    const int16_t* xq = x.q + g * x.q_group;
+    UNROLL for (int j = 0; j < WR; ++j) {
+      const uint8_t* group = w + j * row_bytes + g * GROUP_BYTES<F>;
+      // one step streams every weight once: ask for what comes next early (the rows follow one another)
+      for (int64_t line = 0; line < GROUP_BYTES<F>; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(group + PREFETCH_BYTES + line), _MM_HINT_T0);
+      __m256i p[GROUP];
+      UNROLL for (int b = 0; b < GROUP; ++b) {
+        if (b < count) {
+          __m256i E, O;
+          unpack_even_odd<F>(group, b, E, O);
+          p[b] = dot_add(dot_add(_mm256_setzero_si256(), E, xq + b * QK), O, xq + b * QK + 16);
+        } else {
+          p[b] = _mm256_setzero_si256();
+        }
+      }
+      __m256i A, B;
+      halves8(p, A, B);
+      __m256 dA, dB, mw;
+      group_scales<F>(group, dA, dB, mw, count);
+      acc[j] = scale_group<F>(acc[j], TRAITS<F>.split ? A : _mm256_add_epi32(A, B), B, dA, dB, mw, x, 0, g);
+    }
+  }
+  UNROLL for (int j = 0; j < WR; ++j) out[j] = hsum(acc[j]);
+}
+
+template <int F>
+void gemv_rows_avx2(const uint8_t* weight, int64_t row_bytes, int64_t rows, const RowsView& x, int64_t nb,
+                    float* out) {
+  constexpr int WR = 2;
+  int64_t n = 0;
+  for (; n + WR <= rows; n += WR) gemv_avx2<F, WR>(weight + n * row_bytes, row_bytes, x, nb, out + n);
+  for (; n < rows; ++n) gemv_avx2<F, 1>(weight + n * row_bytes, row_bytes, x, nb, out + n);
+}
+
 // Weight rows [0, rows) against activation rows [m0, m0 + R): tiles of WR weight rows, then one at a time.
 template <int F, int WR, int R>
 void rows_avx2(const uint8_t* weight, int64_t row_bytes, int64_t rows, const RowsView& x, int64_t nb, float* out,
@@ -687,6 +794,12 @@ template <int F>
 void chunk_avx2(const uint8_t* chunk, int64_t row_bytes, int64_t n_rows, const QuantRows& x, float* out,
                 int64_t N) {
   const int64_t M = x.rows, nb = x.blocks;
+  if (M == 1) {  // a decode step: the activations are in the EVEN_ODD order (order_for)
+    const RowsView view{x.q.data_ptr<int16_t>(), x.d.data_ptr<float>(), x.s.data_ptr<float>(),
+                        x.sum.data_ptr<int32_t>(), GROUP_VALUES, GROUP};
+    gemv_rows_avx2<F>(chunk, row_bytes, n_rows, view, nb, out);
+    return;
+  }
   for (int64_t m0 = 0; m0 < M; m0 += ROW_TILE) {
     const RowsView view{x.q.data_ptr<int16_t>() + m0 * GROUP_VALUES, x.d.data_ptr<float>() + m0 * GROUP,
                         x.s.data_ptr<float>() + m0 * GROUP, x.sum.data_ptr<int32_t>() + m0 * GROUP,
@@ -766,13 +879,14 @@ torch::Tensor qmatmul_parts(const torch::Tensor& x, const std::vector<torch::Ten
   const bool interleaved = false;
 #endif
   TORCH_CHECK(K % QK == 0, "in_features must be a multiple of 32, got ", K);
-  c10::optional<QuantRows> by_order[2];  // the activations quantized once per order the parts need
+  c10::optional<QuantRows> by_order[3];  // the activations quantized once per order the parts need
   float* o = out.data_ptr<float>();
   int64_t column = 0;
   for (size_t i = 0; i < weights.size(); ++i) {
     const int64_t format = formats[i], rows = weights[i].size(0), row_bytes = weights[i].size(1);
-    auto& quantized = by_order[FORMATS[format].nibble_order ? 1 : 0];
-    if (!quantized.has_value()) quantized = quantize_rows(x, FORMATS[format].nibble_order, interleaved);
+    const Order order = M == 1 ? EVEN_ODD : FORMATS[format].nibble_order ? NIBBLES_TURNED : BYTES_TURNED;
+    auto& quantized = by_order[order];
+    if (!quantized.has_value()) quantized = quantize_rows(x, order, interleaved);
     const uint8_t* w = weights[i].data_ptr<uint8_t>();
     float* part_out = o + column;
     const QuantRows& xq = *quantized;
