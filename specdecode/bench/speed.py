@@ -96,6 +96,9 @@ class SpeedConfig:
         unknown = sorted(set(self.dtypes) - set(DTYPES))
         if unknown:
             raise ConfigError(f"unknown dtype(s) {unknown}; choose from {', '.join(DTYPES)}")
+        unknown = sorted(set(self.backends) - {"gguf", "onednn", "plain", "int8"})
+        if unknown:
+            raise ConfigError(f"unknown backend(s) {unknown}; choose from gguf, onednn, plain, int8")
         for name in ("tokens", "rounds", "max_verify", "batch"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")

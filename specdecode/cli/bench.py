@@ -88,14 +88,18 @@ def register(sub) -> None:
                    help="with --speed: also llama.cpp (a bin directory built by benchmarks/build_llama_cpp.sh), plain "
                         "on the same GGUF and a Q8_0 copy, and prompt lookup, against our plain and default "
                         "speculation, prompt by prompt on held-out chat prompts (--prompts per category, default 2)")
+    p.add_argument("--backends", type=lambda text: tuple(text.split(",")), default=None,
+                   help="with --speed: comma-separated linear backends to time, from gguf, onednn, plain, int8 "
+                        "(default: all; gguf alone skips the dequantised float copies, which a 1.5B holds in 7 GB)")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="with --speed: wall (default) or cpu, the thread's CPU time (for a machine shared with "
                         "other jobs)")
     p.set_defaults(func=cmd_bench)
-    tools = p.add_subparsers(dest="bench_command", metavar="serve|soak|fuzz")
+    tools = p.add_subparsers(dest="bench_command", metavar="serve|soak|fuzz|code")
     register_serve(tools)
     register_soak(tools)
     register_fuzz(tools)
+    register_code(tools)
 
 
 def _checkpoints(args) -> tuple[Path, Path | None]:
@@ -175,7 +179,8 @@ def cmd_speed(args) -> int:
                          rounds=1 if args.quick else 3, max_verify=8 if args.quick else 16,
                          peers=not args.no_peers, device=args.device or "cpu", clock=args.clock,
                          speculation=not args.quick, llama_cpp=args.llama_cpp,
-                         peer_prompts=args.prompts or (1 if args.quick else 2))
+                         peer_prompts=args.prompts or (1 if args.quick else 2),
+                         **({"backends": args.backends} if args.backends else {}))
     paths = write_speed_report(run_speed(config), args.out)
     print(paths["report"].read_text())
     print("wrote " + ", ".join(str(p) for p in paths.values()))
@@ -255,6 +260,25 @@ def register_fuzz(sub) -> None:
     p.add_argument("--workers", type=int_range(1, 256), default=8)
     p.add_argument("--json", default=None, help="write the report here")
     p.set_defaults(func=_run("specdecode.bench.fuzz", "cmd_fuzz", needs="schemathesis"))
+
+
+def register_code(sub) -> None:
+    p = sub.add_parser("code", help="greedy pass rate on small coding problems, ours vs llama.cpp on the same GGUF",
+                       description="Answer each small Python problem of specdecode/bench/workloads/"
+                                   "code_problems.json greedily (one chat message each, plain decoding), run the "
+                                   "answer's code against the problem's asserts in a sandboxed subprocess, and "
+                                   "with --llama-cpp do the same through llama.cpp on the same GGUF file; writes "
+                                   "results.json and report.md (per problem verdicts, both pass rates, how many "
+                                   "problems differ) to --out.")
+    p.add_argument("--model", required=True, help="a model name, .gguf file or checkpoint directory")
+    p.add_argument("--llama-cpp", type=Path, default=None, metavar="BIN_DIR",
+                   help="also llama.cpp (a bin directory built by benchmarks/build_llama_cpp.sh) on the same GGUF")
+    p.add_argument("--threads", type=THREADS, default=1, help="threads of each engine (default 1)")
+    p.add_argument("--limit", type=POSITIVE, default=None, help="only the first N problems (default all 32)")
+    p.add_argument("--max-tokens", type=TOKENS, default=512, help="most new tokens per answer (default 512)")
+    p.add_argument("--out", type=Path, default=Path("bench_results/code"),
+                   help="output folder (default bench_results/code)")
+    p.set_defaults(func=_run("specdecode.bench.code_eval", "cmd_bench_code"))
 
 
 def _run(module: str, name: str, needs: str | None = None):

@@ -17,9 +17,11 @@ import sys
 from pathlib import Path
 
 SOURCES = [Path(__file__).with_name(name) for name in ("quant.cpp", "layer.cpp", "race.cpp", "quant.h")]
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno"]
-"""Compiler flags: this CPU's instruction sets, and no fused multiply-adds the source does not write (so that a
-number is computed the same way in every tiling, see quant.cpp)."""
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"]
+"""Compiler flags: this CPU's instruction sets, no fused multiply-adds the source does not write (so that a
+number is computed the same way in every tiling, see quant.cpp), and OpenMP: at::parallel_for is a header
+template that splits work over torch's threads only when the extension itself is built with it (without it, every
+product ran on one thread whatever torch.set_num_threads said)."""
 
 _failure: str | None = None
 
@@ -79,7 +81,7 @@ def quant():
     try:
         folder.mkdir(parents=True, exist_ok=True)
         sources = [str(path) for path in SOURCES if path.suffix == ".cpp"]
-        return cpp_extension.load(name=name, sources=sources, extra_cflags=FLAGS, build_directory=str(folder),
+        return cpp_extension.load(name=name, sources=sources, extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], build_directory=str(folder),
                                   verbose=False)
     except (OSError, RuntimeError, ImportError, SystemExit) as error:  # no compiler, no ninja, a failed build
         lines = str(error).strip().splitlines()

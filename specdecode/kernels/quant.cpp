@@ -344,6 +344,12 @@ inline float hsum(__m256 v) {
 
 #define UNROLL _Pragma("GCC unroll 16")  // constant-bound loops over tiles: their accumulators stay in registers
 
+// How far ahead of a weight row the kernels ask for its bytes: a step streams every weight once from memory, and
+// the hardware's own prefetching alone left one core at ~6 GB/s of its ~26 (1.5B Q4_K_M, Zen 4: 2x faster steps).
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 2048
+#endif
+
 template <int F> constexpr FormatInfo TRAITS = FORMATS[F];
 template <int F> constexpr int64_t GROUP_BYTES = TRAITS<F>.bytes * (GROUP_VALUES / TRAITS<F>.values);
 
@@ -597,6 +603,8 @@ void tile_avx2(const uint8_t* w, int64_t row_bytes, const RowsView& x, int64_t n
     __m256 dA[WR], dB[WR], mw[WR];
     UNROLL for (int j = 0; j < WR; ++j) {
       const uint8_t* group = w + j * row_bytes + g * GROUP_BYTES<F>;
+      for (int64_t line = 0; line < GROUP_BYTES<F>; line += 64)  // (as in gemv_avx2)
+        _mm_prefetch(reinterpret_cast<const char*>(group + PREFETCH_BYTES + line), _MM_HINT_T0);
       if constexpr (NIBBLES) {
         transpose_nibbles<F>(group + (F == Q4_1 ? 4 : 2), t[j]);
       } else {
@@ -704,10 +712,6 @@ inline void halves8(const __m256i* p, __m256i& A, __m256i& B) {
   A = _mm256_permute2x128_si256(lo, hi, 0x20);
   B = _mm256_permute2x128_si256(lo, hi, 0x31);
 }
-
-#ifndef PREFETCH_BYTES
-#define PREFETCH_BYTES 2048
-#endif
 
 // WR weight rows against the one activation row: out[j].
 template <int F, int WR>
