@@ -95,11 +95,12 @@ def register(sub) -> None:
                    help="with --speed: wall (default) or cpu, the thread's CPU time (for a machine shared with "
                         "other jobs)")
     p.set_defaults(func=cmd_bench)
-    tools = p.add_subparsers(dest="bench_command", metavar="serve|soak|fuzz|code")
+    tools = p.add_subparsers(dest="bench_command", metavar="serve|soak|fuzz|code|perplexity")
     register_serve(tools)
     register_soak(tools)
     register_fuzz(tools)
     register_code(tools)
+    register_perplexity(tools)
 
 
 def _checkpoints(args) -> tuple[Path, Path | None]:
@@ -279,6 +280,20 @@ def register_code(sub) -> None:
     p.add_argument("--out", type=Path, default=Path("bench_results/code"),
                    help="output folder (default bench_results/code)")
     p.set_defaults(func=_run("specdecode.bench.code_eval", "cmd_bench_code"))
+
+
+def register_perplexity(sub) -> None:
+    p = sub.add_parser("perplexity", help="perplexity through the quantized kernels vs the dequantised float32 model",
+                       description="Perplexity of a GGUF's model on held-out text (default: CPython standard "
+                                   "library sources) through our kernels and through the same weights dequantised "
+                                   "to float32; prints both and their relative gap.")
+    p.add_argument("--model", required=True, help="a model name or .gguf file")
+    p.add_argument("--text", nargs="*", default=None, help="text files to read (default: stdlib sources)")
+    p.add_argument("--windows", type=POSITIVE, default=8, help="windows of text (default 8)")
+    p.add_argument("--window", type=POSITIVE, default=512, help="tokens per window (default 512)")
+    p.add_argument("--threads", type=THREADS, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--out", type=Path, default=None, help="also write the report as JSON here")
+    p.set_defaults(func=_run("specdecode.bench.perplexity", "cmd_bench_perplexity"))
 
 
 def _run(module: str, name: str, needs: str | None = None):

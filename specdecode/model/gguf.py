@@ -6,6 +6,7 @@ q/k weights for llama.cpp's interleaved rotary; that is undone here, so the tens
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import mmap
 import re
@@ -89,18 +90,16 @@ def transformers_source(path: str | Path) -> tuple[str, dict]:
 
 
 class GGUFCheckpoint:
-    """One opened GGUF file: metadata fields and tensors (memory-mapped, read lazily)."""
+    """One opened GGUF file: metadata values and tensors (views of the file's memory map, read lazily)."""
 
     def __init__(self, path: Path):
-        import gguf
-
         self.path = path
         truncated = truncation(path)  # before the reader, whose errors on a short file are numpy's
         if truncated is not None:
             raise CheckpointError(truncated)
         try:
-            self.reader = gguf.GGUFReader(str(path))
-        except Exception as exc:  # the reader raises ValueError, KeyError, IndexError... on a damaged file
+            self.reader = GGUFFile(path)
+        except Exception as exc:  # ValueError, KeyError, IndexError, struct.error... on a damaged file
             raise CheckpointError(f"{path} is not a readable GGUF file ({type(exc).__name__}: {exc}); it is "
                                   "corrupt: download it again") from exc
         self.architecture = self.get("general.architecture")
@@ -109,12 +108,95 @@ class GGUFCheckpoint:
                               f"supports {', '.join(GGUF_ARCHITECTURES)} (Mistral as llama)")
 
     def get(self, key: str, default=None):
-        field = self.reader.fields.get(key)
-        return default if field is None else field.contents()
+        return self.reader.fields.get(key, default)
 
     def arch(self, key: str, default=None):
         """A metadata value under this file's architecture prefix, e.g. arch('block_count')."""
         return self.get(f"{self.architecture}.{key}", default)
+
+
+@dataclasses.dataclass
+class GGUFTensor:
+    """One tensor of a GGUF file, as gguf.GGUFReader describes it: `shape` in GGUF's order (row length first) and
+    `data` a view of the memory map in PyTorch's order ([rows, bytes] for block types)."""
+
+    name: str
+    shape: tuple[int, ...]
+    tensor_type: object
+    """A gguf.GGMLQuantizationType."""
+    data: np.ndarray
+
+
+class GGUFFile:
+    """A GGUF file's metadata (`fields`: key -> value as Python values) and tensors (`tensors`), read by one walk of
+    its header. gguf.GGUFReader, which builds a memory-mapped array per metadata item, took ~6 s on the 152k-token
+    vocabulary and merges of a Qwen2.5 file; this takes ~0.3 s and gives the same values and tensor views."""
+
+    _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+    _ARRAYS = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
+               7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
+    _PLAIN = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8, "I16": np.int16,
+              "I32": np.int32, "I64": np.int64}
+
+    def __init__(self, path: Path):
+        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        with open(path, "rb") as f:
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        data = self._map
+        if data[:4] != GGUF_MAGIC:
+            raise ValueError("GGUF magic invalid")
+        self._pos = 8
+        if struct.unpack_from("<I", data, 4)[0] & 0xFFFF == 0:
+            raise ValueError("big-endian GGUF files are not supported")
+        tensor_count, kv_count = self._number("Q"), self._number("Q")
+        self.fields = {}
+        for _ in range(kv_count):
+            key = self._string()
+            self.fields[key] = self._value(self._number("I"))
+        infos = []
+        for _ in range(tensor_count):
+            name = self._string()
+            dims = tuple(self._number("Q") for _ in range(self._number("I")))
+            infos.append((name, dims, GGMLQuantizationType(self._number("I")), self._number("Q")))
+        alignment = int(self.fields.get("general.alignment", 32))
+        start = -(-self._pos // alignment) * alignment
+        self.tensors = []
+        for name, dims, kind, offset in infos:
+            elements = int(np.prod(dims)) if dims else 1
+            shape = list(reversed(dims))
+            if kind.name in self._PLAIN:
+                dtype, count = self._PLAIN[kind.name], elements
+            else:  # block types (and BF16): bytes, the last dimension counted in bytes
+                block, size = GGML_QUANT_SIZES[kind]
+                dtype, count = np.uint8, elements // block * size
+                shape[-1] = shape[-1] // block * size
+            array = np.frombuffer(data, dtype=dtype, count=count, offset=start + offset).reshape(shape)
+            self.tensors.append(GGUFTensor(name, dims, kind, array))
+
+    def _number(self, kind: str):
+        value = struct.unpack_from("<" + kind, self._map, self._pos)[0]
+        self._pos += struct.calcsize(kind)
+        return value
+
+    def _string(self) -> str:
+        size = self._number("Q")
+        self._pos += size
+        return self._map[self._pos - size:self._pos].decode("utf-8", errors="replace")
+
+    def _value(self, kind: int):
+        if kind == _STRING:
+            return self._string()
+        if kind == _ARRAY:
+            item, count = self._number("I"), self._number("Q")
+            if item == _STRING:
+                return [self._string() for _ in range(count)]
+            if item == _ARRAY:
+                return [self._value(_ARRAY) for _ in range(count)]
+            values = np.frombuffer(self._map, dtype=self._ARRAYS[item], count=count, offset=self._pos)
+            self._pos += values.nbytes
+            return values.tolist()
+        return self._number(self._SCALARS[kind])
 
 
 _VALUE_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}

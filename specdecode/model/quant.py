@@ -1,13 +1,15 @@
-"""Weights kept block-quantized in memory - GGUF's Q8_0, Q4_0 and Q4_1, byte for byte - and multiplied by
+"""Weights kept block-quantized in memory - GGUF's Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K, byte for
+byte (every type of llama.cpp's common presets: Q4_K_M, Q5_K_M, Q6_K, Q8_0, Q4_0, Q4_1 files) - and multiplied by
 specdecode's own kernels (specdecode/kernels/quant.cpp, compiled for this CPU on first use).
 
-A GGUF file's matrices are taken as shipped (`attach_quantized`: the same weights llama.cpp runs, 0.56 bytes a
-weight for Q4_1, 1.06 for Q8_0, where the dequantized bfloat16 copy reads 2); any other checkpoint is
-quantized at load (`quantize_linears`, GGUF's reference rounding through the gguf package). Activations stay in
-the model's dtype (float32 for quantized matrices by default); the kernels round each row of activations to int16
-per block of 32 (llama.cpp: int8), so the products are the dequantized model's to float rounding, and the
-quantized model is its own target: speculation is exact relative to it (its logits do not depend on how many rows
-share a pass, see kernels/quant.cpp).
+A GGUF file's matrices are used where they lie, in the file's memory map (`attach_quantized`: the same weights
+llama.cpp runs, 0.56 bytes a weight for Q4_K, 1.06 for Q8_0, where a bfloat16 copy reads 2; nothing is copied or
+written); a stack of matrices in different formats (a Q4_K_M file's q/k in Q4_K, v in Q6_K) is one QuantLinear of
+parts. Any other checkpoint is quantized at load (`quantize_linears`, GGUF's reference rounding through the gguf
+package). Activations stay in the model's dtype (float32 for quantized matrices by default); the kernels round each
+row of activations to int16 per block of 32 (llama.cpp: int8), so the products are the dequantized model's to float
+rounding, and the quantized model is its own target: speculation is exact relative to it (its logits do not depend
+on how many rows share a pass, see kernels/quant.cpp).
 
 The modules keep the rest of the code base unchanged: `state_dict()` gives the dequantized weights under the
 original names (so digests, saving and the split of stacked q/k/v behave as for a float model) and `.weight` is a
