@@ -33,7 +33,7 @@
 // One activation row (a decode step, M = 1) takes another road to the same numbers: its activations are stored
 // block by block as even then odd elements (EVEN_ODD), so a block's weights need only a mask and a shift to become
 // two int16 vectors whatever the format, and the 8 blocks' partial sums meet in one hadd tree per group. The weights
-// are prefetched 2 KB ahead: the hardware's own prefetching left one core far below its memory bandwidth.
+// are prefetched 8 KB ahead into L2 (PREFETCH_BYTES): the hardware alone left one core far below its bandwidth.
 //
 // Speed (2-core AMD EPYC Zen 4, AVX-512 VNNI, ~26 GB/s read by one core; random blocks of the 1.5B's shapes, best
 // of 5; `python benchmarks/quant_kernels.py` on a model's own matrices):
@@ -350,11 +350,15 @@ inline float hsum(__m256 v) {
 
 #define UNROLL _Pragma("GCC unroll 16")  // constant-bound loops over tiles: their accumulators stay in registers
 
-// How far ahead of a weight row the kernels ask for its bytes: a step streams every weight once from memory, and
-// the hardware's own prefetching alone left one core at ~6 GB/s of its ~26 (1.5B Q4_K_M, Zen 4: 2x faster steps).
+// How far ahead of a weight row the kernels ask for its bytes, into L2: a step streams every weight once from
+// memory, and the hardware's own prefetching alone left one core at ~5-7 GB/s of its ~26. Measured on Zen 4, one
+// thread, M = 1, matrices of 57, 41 and 41 MB (Q4_K, Q6_K, Q4_K): none 5.5 / 4.7 / 6.8 GB/s; into L1 1-8 KB ahead
+// 8.1-8.7 / 7.0-8.2 / 8.3-10.3; into L2 2 KB 7.3 / 8.7 / 7.9, 4 KB 12.3 / 13.4 / 8.1, 8 KB 14.0 / 14.1 / 14.0,
+// 16 KB 13.1 / 14.5 / 14.4 (the rows follow one another, so this reaches into the next rows).
 #ifndef PREFETCH_BYTES
-#define PREFETCH_BYTES 2048
+#define PREFETCH_BYTES 8192
 #endif
+#define PREFETCH(p) _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1)
 
 template <int F> constexpr FormatInfo TRAITS = FORMATS[F];
 template <int F> constexpr int64_t GROUP_BYTES = TRAITS<F>.bytes * (GROUP_VALUES / TRAITS<F>.values);
@@ -604,13 +608,16 @@ void tile_avx2(const uint8_t* w, int64_t row_bytes, const RowsView& x, int64_t n
   UNROLL for (int j = 0; j < WR; ++j)
     UNROLL for (int r = 0; r < R; ++r) acc[j][r] = _mm256_setzero_ps();
   const int64_t full = nb / GROUP, rest = nb % GROUP;
+  // Few activation rows: a second chain of integer sums (odd vectors), so that a row's 16 multiply-adds are not one
+  // dependent chain (the sums are exact, so how they are split changes no number).
+  constexpr bool CHAINS = !SPLIT && R <= 2;
   for (int64_t g = 0; g < full; ++g) {
     __m256i t[WR][TURNED];
     __m256 dA[WR], dB[WR], mw[WR];
     UNROLL for (int j = 0; j < WR; ++j) {
       const uint8_t* group = w + j * row_bytes + g * GROUP_BYTES<F>;
       for (int64_t line = 0; line < GROUP_BYTES<F>; line += 64)  // (as in gemv_avx2)
-        _mm_prefetch(reinterpret_cast<const char*>(group + PREFETCH_BYTES + line), _MM_HINT_T0);
+        PREFETCH(group + PREFETCH_BYTES + line);
       if constexpr (NIBBLES) {
         transpose_nibbles<F>(group + (F == Q4_1 ? 4 : 2), t[j]);
       } else {
@@ -625,13 +632,13 @@ void tile_avx2(const uint8_t* w, int64_t row_bytes, const RowsView& x, int64_t n
     UNROLL for (int j = 0; j < WR; ++j)
       UNROLL for (int r = 0; r < R; ++r) {
         sums[j][r] = _mm256_setzero_si256();
-        if constexpr (SPLIT) sums_b[j][r] = _mm256_setzero_si256();
+        if constexpr (SPLIT || CHAINS) sums_b[j][r] = _mm256_setzero_si256();
       }
     UNROLL for (int k = 0; k < VECTORS; ++k) {
       UNROLL for (int j = 0; j < WR; ++j) {
         const __m256i v = NIBBLES ? unpack_nibbles(t[j], k) : unpack_bytes(t[j], k);
         UNROLL for (int r = 0; r < R; ++r) {
-          if (SPLIT && k >= VECTORS / 2)  // vectors 8..15 hold values 16..31 of each block
+          if ((SPLIT && k >= VECTORS / 2) || (CHAINS && k % 2 == 1))  // (split: vectors 8..15 hold values 16..31)
             sums_b[j][r] = dot_add(sums_b[j][r], v, xq + r * GROUP_VALUES + k * 16);
           else
             sums[j][r] = dot_add(sums[j][r], v, xq + r * GROUP_VALUES + k * 16);
@@ -639,9 +646,11 @@ void tile_avx2(const uint8_t* w, int64_t row_bytes, const RowsView& x, int64_t n
       }
     }
     UNROLL for (int r = 0; r < R; ++r)
-      UNROLL for (int j = 0; j < WR; ++j)
+      UNROLL for (int j = 0; j < WR; ++j) {
+        if constexpr (CHAINS) sums[j][r] = _mm256_add_epi32(sums[j][r], sums_b[j][r]);
         acc[j][r] = scale_group<F>(acc[j][r], sums[j][r], SPLIT ? sums_b[j][r] : sums[j][r], dA[j], dB[j], mw[j], x,
                                    r, g);
+      }
   }
   if (rest > 0) {  // the partial group, in the natural order
     const int64_t g = full;
@@ -732,7 +741,7 @@ void gemv_avx2(const uint8_t* w, int64_t row_bytes, const RowsView& x, int64_t n
       const uint8_t* group = w + j * row_bytes + g * GROUP_BYTES<F>;
       // one step streams every weight once: ask for what comes next early (the rows follow one another)
       for (int64_t line = 0; line < GROUP_BYTES<F>; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(group + PREFETCH_BYTES + line), _MM_HINT_T0);
+        PREFETCH(group + PREFETCH_BYTES + line);
       __m256i p[GROUP];
       UNROLL for (int b = 0; b < GROUP; ++b) {
         if (b < count) {
@@ -804,7 +813,7 @@ template <int F>
 void chunk_avx2(const uint8_t* chunk, int64_t row_bytes, int64_t n_rows, const QuantRows& x, float* out,
                 int64_t N) {
   const int64_t M = x.rows, nb = x.blocks;
-  if (M == 1) {  // a decode step: the activations are in the EVEN_ODD order (order_for)
+  if (M == 1) {  // a decode step: the activations are in the EVEN_ODD order (qmatmul_parts)
     const RowsView view{x.q.data_ptr<int16_t>(), x.d.data_ptr<float>(), x.s.data_ptr<float>(),
                         x.sum.data_ptr<int32_t>(), GROUP_VALUES, GROUP};
     gemv_rows_avx2<F>(chunk, row_bytes, n_rows, view, nb, out);

@@ -103,9 +103,11 @@ def tokenizer_metadata(tokenizer_json: Path) -> tuple[list[str], list[int], list
 
 def write_gguf(path: Path, model: LlamaForCausalLM, tokenizer_json: Path, variant: str, qtype: str,
                pre: str = "default", chat_template: str | None = None, add_bos: bool = False, seed: int = 0,
-               rope_freqs: np.ndarray | None = None) -> Path:
+               rope_freqs: np.ndarray | None = None, tensor_types: dict[str, str] | None = None) -> Path:
     """Write `model` (and the tokenizer) as a GGUF with every matrix in `qtype`. K-quant files hold random
-    blocks instead of the model's weights (gguf cannot quantise to them); the others hold the model, rounded."""
+    blocks instead of the model's weights (gguf cannot quantise to them); the others hold the model, rounded.
+    tensor_types: another type for the matrices whose GGUF name ends with a key (whole dot-separated parts:
+    "output.weight" is not "attn_output.weight"), e.g. {"attn_v.weight": "Q6_K"} (a Q4_K_M file's mix)."""
     import gguf
 
     arch, _, _ = VARIANTS[variant]
@@ -136,23 +138,25 @@ def write_gguf(path: Path, model: LlamaForCausalLM, tokenizer_json: Path, varian
     writer.add_add_bos_token(add_bos)
     if chat_template:
         writer.add_chat_template(chat_template)
-    kind = gguf.GGMLQuantizationType[qtype]
     if rope_freqs is not None:  # Llama 3.1+: the converter writes the rope scaling as a per-frequency divisor
         writer.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
     for name, tensor in model.state_dict().items():
         if config.tie_word_embeddings and name == "lm_head.weight":
             continue
         values = tensor.detach().float().numpy()
+        tensor_type = next((t for suffix, t in (tensor_types or {}).items()
+                            if f".{gguf_name(name)}".endswith(f".{suffix}")), qtype)
+        kind = gguf.GGMLQuantizationType[tensor_type]
         if arch == "llama" and name.endswith("q_proj.weight"):
             values = _permute(values, config.num_attention_heads)
         elif arch == "llama" and name.endswith("k_proj.weight"):
             values = _permute(values, config.num_key_value_heads)
-        if values.ndim == 1 or qtype == "F32":
+        if values.ndim == 1 or tensor_type == "F32":
             writer.add_tensor(gguf_name(name), values.astype(np.float32))
-        elif qtype == "F16":
+        elif tensor_type == "F16":
             writer.add_tensor(gguf_name(name), values.astype(np.float16))
-        elif qtype in K_QUANT_LAYOUT:
-            data = _random_k_blocks(values.shape[0], values.shape[1], qtype, rng)
+        elif tensor_type in K_QUANT_LAYOUT:
+            data = _random_k_blocks(values.shape[0], values.shape[1], tensor_type, rng)
             writer.add_tensor(gguf_name(name), data, raw_dtype=kind)
         else:
             writer.add_tensor(gguf_name(name), gguf.quants.quantize(values, kind), raw_dtype=kind)
