@@ -5,6 +5,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import sys
 from pathlib import Path
 
 from specdecode.cli.model_flags import add_model_args, add_quantization_arg
@@ -156,6 +157,16 @@ def size_batch(args, model_dir, config) -> Sizing:
     plan = plan_memory(model_dir, budget, args.max_model_len, wanted, spec, args.dtype, args.device,
                        args.tensor_parallel_size, quantization=quantization)
     largest = plan.largest_batch()
+    while largest < 1 and args.max_model_len is None and plan.max_model_len > 2048:
+        # no length asked for, and the model's whole context does not fit one sequence (a 32k-context model's
+        # full-length prefill alone holds GBs of activations): serve shorter sequences, and say so
+        shorter = plan.max_model_len // 2
+        plan = plan_memory(model_dir, budget, shorter, wanted, spec, args.dtype, args.device,
+                           args.tensor_parallel_size, quantization=quantization)
+        largest = plan.largest_batch()
+        if largest >= 1:
+            print(f"specdecode: serving sequences of up to {shorter} positions (the model's {context} do not fit "
+                  "the memory budget; --max-model-len / --memory-fraction change it)", file=sys.stderr, flush=True)
     where = (f"{budget / 2**30:.1f} GiB (--memory-budget / --gpu-memory-utilization)" if available is None
              else f"{budget / 2**30:.1f} GiB ({plan.headroom:.0%} kept free; --memory-fraction of the "
                   f"{available / 2**30:.1f} GiB available)")

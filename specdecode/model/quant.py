@@ -222,7 +222,8 @@ def speculator_format(target: nn.Module) -> str | None:
 
 def quantized_format(model: nn.Module) -> str | None:
     """The block formats of model's quantized matrices ('q4_1', 'q4_1+q8_0', ...), or None if it has none."""
-    formats = sorted({m.fmt for m in model.modules() if isinstance(m, QuantLinear | QuantEmbedding)})
+    formats = sorted({part for m in model.modules() if isinstance(m, QuantLinear | QuantEmbedding)
+                      for part in m.fmt.split("+")})
     return "+".join(formats) or None
 
 

@@ -13,7 +13,7 @@ import uuid
 
 from specdecode.errors import ConfigError
 from specdecode.server.protocol import ChatCompletionRequest, FunctionDefinition, bad_request
-from specdecode.speculation.grammar import JSON_LAYOUT, Grammar
+from specdecode.speculation.grammar import JSON_LAYOUT, Grammar, lark_literal
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,18 +44,20 @@ class ToolFormat:
             return None
         return ToolCall(call["name"], json.dumps(arguments, ensure_ascii=False))
 
-    def call_grammar(self, functions: list[FunctionDefinition], several: bool) -> str:
+    def call_grammar(self, functions: list[FunctionDefinition], several: bool, literal=json.dumps) -> str:
         """A Lark grammar (llguidance's, with %json) of answers made only of calls of these functions: one, or one
         or more when `several`; each call's arguments valid against its function's schema. The JSON is laid out
         as the template writes calls ({"name": ..., "arguments": ...}, json.dumps' spacing); each function's schema
-        is its own %json root, so its "$ref"s resolve as its author meant."""
+        is its own %json root, so its "$ref"s resolve as its author meant. `literal` writes the tags as terminals
+        (grammar.lark_literal: a tag that is one special token in the vocabulary is matched as that token)."""
         rules = []
         for i, function in enumerate(functions):  # names match FUNCTION_NAME: nothing in them needs escaping
             head = '{"name": "' + function.name + '", "arguments": '
             rules.append(f'call_{i}: {json.dumps(head)} arguments_{i} "}}"')
             rules.append(f"arguments_{i}: %json {json.dumps(arguments_schema(function))}")
         either = " | ".join(f"call_{i}" for i in range(len(functions)))
-        call = f"call: {json.dumps(self.open + self.pad)} ({either}) {json.dumps(self.pad + self.close)}"
+        call = (f"call: {literal(self.open)} {json.dumps(self.pad)} ({either}) {json.dumps(self.pad)} "
+                f"{literal(self.close)}")
         start = f"start: call ({json.dumps(self.pad)} call)*" if several else "start: call"
         return "\n".join([start, call, *rules])
 
@@ -230,7 +232,8 @@ class ToolCalling:
         if mode in ("required", "function"):
             functions = [t.function for t in req.tools if mode == "required" or t.function.name == name]
             several = mode == "required" and req.parallel_tool_calls is not False
-            structured = {"grammar": self.format.call_grammar(functions, several)}
+            structured = {"grammar": self.format.call_grammar(
+                functions, several, lambda text: lark_literal(text, self.tokenizer))}
         tools = [{"type": "function", "function": {key: value for key, value in (
                      ("name", t.function.name), ("description", t.function.description),
                      ("parameters", t.function.parameters)) if value is not None}} for t in req.tools]

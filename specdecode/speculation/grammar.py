@@ -38,6 +38,18 @@ def _grammar_text(spec: dict) -> str:
     return llguidance.LLMatcher.grammar_from_lark(value)
 
 
+def lark_literal(text: str, tokenizer) -> str:
+    """`text` as a Lark terminal that the model can write: the quoted text, or - when the tokenizer writes it as one
+    token that llguidance holds as special (Qwen2.5's <tool_call>, an added token: llguidance matches such tokens
+    only by id, never by their text) - that token, `<[id]>`."""
+    import json
+
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) == 1 and _ll_tokenizer(tokenizer).is_special_token(ids[0]):
+        return f"<[{ids[0]}]>"
+    return json.dumps(text)
+
+
 def _ll_tokenizer(tokenizer):
     """llguidance's view of our tokenizer, built once per tokenizer (~0.3 s for SmolLM2's)."""
     import llguidance

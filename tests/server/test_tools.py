@@ -328,3 +328,18 @@ def test_fuzzed_tool_requests_get_no_5xx(tool_server):
     report = fuzz(tool_server.url, examples=15, seed=3, workers=2)
     assert report.failed == 0 and report.server_errors == 0, "\n".join(report.failures)
     assert report.statuses[200] > 0 and report.statuses[400] > 0, report.summary()
+
+
+def test_a_tag_that_is_one_special_token_is_matched_as_that_token(tiny_models):
+    """llguidance matches a special token only by id, never by its text: a call tag the tokenizer writes as one
+    such token (Qwen2.5's <tool_call>) becomes `<[id]>` in the call grammar, other tags stay quoted text; a
+    grammar with the quoted text would refuse the very token the model writes (a 500 on the real 1.5B)."""
+    from specdecode.speculation.grammar import Grammar, lark_literal
+
+    tokenizer = Tokenizer(tiny_models["target"])
+    bos = tokenizer.encode("<|bos|>", add_special_tokens=False)
+    assert len(bos) == 1 and lark_literal("<|bos|>", tokenizer) == f"<[{bos[0]}]>"
+    assert lark_literal("<tool_call>", tokenizer) == '"<tool_call>"'
+    for literal, accepted in ((lambda text: lark_literal(text, tokenizer), True), (json.dumps, False)):
+        grammar = Grammar({"grammar": f'start: {literal("<|bos|>")} "x"'}, tokenizer, tokenizer.vocab_size)
+        assert grammar.accepts([bos[0]]) is accepted
