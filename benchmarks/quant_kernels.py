@@ -69,7 +69,7 @@ def main() -> None:
 
     def use(module):  # every product and fused layer through this build
         for m in linears:
-            m._kernel = module.qmatmul
+            m._kernel = module.qmatmul_parts
         if fused is not None:
             model.__dict__["_fused_layers"] = (module.layer_step, *fused[1:])
 

@@ -509,17 +509,22 @@ inline void gather_scales(const uint8_t* blocks, __m256& d, __m256& m, int64_t c
 // A group's per-block scales as the reference computes them (dA, dB and m of block_weights), 8 lanes each.
 template <int F>
 inline void group_scales(const uint8_t* group, __m256& dA, __m256& dB, __m256& m, int64_t count) {
-  if constexpr (F == Q4_K || F == Q5_K) {  // the 12 bytes of 6-bit fields as 8 scale bytes and 8 min bytes
-    const uint32_t u0 = load32(group + 4), u1 = load32(group + 8), u2 = load32(group + 12);
-    const uint32_t low6 = 0x3F3F3F3F, low4 = 0x0F0F0F0F, top2 = 0x03030303;
-    const uint32_t scales_lo = u0 & low6, scales_hi = (u2 & low4) | (((u0 >> 6) & top2) << 4);
-    const uint32_t mins_lo = u1 & low6, mins_hi = ((u2 >> 4) & low4) | (((u1 >> 6) & top2) << 4);
-    const __m256 scale = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_setr_epi32(static_cast<int>(scales_lo),
-                                                                                  static_cast<int>(scales_hi), 0, 0)));
-    const __m256 min = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_setr_epi32(static_cast<int>(mins_lo),
-                                                                                static_cast<int>(mins_hi), 0, 0)));
-    dA = _mm256_mul_ps(_mm256_set1_ps(half_to_float(load16(group))), scale);
-    m = _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(half_to_float(load16(group + 2))), min), _mm256_set1_ps(-0.f));
+  if constexpr (F == Q4_K || F == Q5_K) {  // the 12 bytes of 6-bit fields -> 8 scale bytes, then 8 min bytes
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(group));  // d, dmin, s[0..11]
+    // bytes: scale j < 4: s[j] & 63; j >= 4: s[j + 4] & 15 | (s[j - 4] >> 6) << 4; min j < 4: s[j + 4] & 63;
+    // j >= 4: s[j + 4] >> 4 | (s[j] >> 6) << 4  (s[k] is byte 4 + k)
+    const __m128i a = _mm_shuffle_epi8(v, _mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15));
+    const __m128i b = _mm_shuffle_epi8(v, _mm_setr_epi8(-1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1, 8, 9, 10, 11));
+    const __m128i low = _mm_and_si128(a, _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0));
+    const __m128i high = _mm_and_si128(_mm_srli_epi16(a, 4), _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                                                         15, 15, 15, 15));
+    const __m128i top = _mm_and_si128(_mm_srli_epi16(b, 2), _mm_set1_epi8(0x30));
+    const __m128i fields = _mm_or_si128(_mm_or_si128(low, high), top);  // [scales 0..7 | mins 0..7]
+    const __m256 scale = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(fields));
+    const __m256 min = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(fields, 8)));
+    const __m128 dd = _mm_cvtph_ps(v);  // [d, dmin, ...]
+    dA = _mm256_mul_ps(_mm256_broadcastss_ps(dd), scale);
+    m = _mm256_xor_ps(_mm256_mul_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dd)), min), _mm256_set1_ps(-0.f));
     dB = dA;
   } else if constexpr (F == Q6_K) {
     const __m256 d = _mm256_set1_ps(half_to_float(load16(group + 208)));
