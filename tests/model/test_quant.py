@@ -48,7 +48,7 @@ def weights(fmt: str, rows: int, in_features: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("simd", [True, False])
 def test_matmul_equals_the_gguf_reference(fmt, simd):
     """Every format, every row length tested: the product equals the int16-rounded activations times gguf's
-    dequantised weights to float32 rounding (relative 1e-5 of the largest output), and the lookup of rows equals
+    dequantised weights to float32 rounding (3e-5 of the largest output), and the lookup of rows equals
     gguf's dequantization bit for bit."""
     values = BLOCKS[fmt][0]
     for blocks in ROW_LENGTHS[values]:
@@ -57,11 +57,14 @@ def test_matmul_equals_the_gguf_reference(fmt, simd):
         assert q.shape == (37, row_bytes(fmt, K)) and q.dtype == torch.uint8
         reference = gguf_reference(q, fmt, K)
         assert torch.equal(kernels().dequantize_rows(q, FORMATS[fmt], K, torch.arange(37)), reference.float())
+        torch.manual_seed(blocks)
         x = torch.randn(11, K)
         out = kernels().qmatmul(x, q, FORMATS[fmt], simd)
         assert out.dtype == torch.float32 and out.shape == (11, 37)
         expected = quantized_activations(x) @ reference.T
-        torch.testing.assert_close(out.double(), expected, rtol=0, atol=1e-5 * expected.abs().max().item())
+        # float32 sums of up to 1,536 products: the worst over 30 random inputs per format was 1.1e-5 of the
+        # largest output; one wrong block moves it by ~1e-2
+        torch.testing.assert_close(out.double(), expected, rtol=0, atol=3e-5 * expected.abs().max().item())
 
 
 @pytest.mark.parametrize("fmt", sorted(QUANTIZE_FORMATS))
