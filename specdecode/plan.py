@@ -211,8 +211,15 @@ def plan_memory(model_dir: str | Path, budget: int, max_model_len: int | None, m
     counted = speculative.method_info.draft_memory if speculative is not None else None
     if counted is not None:
         extra = tree + 2 + speculative.method_info.cache_margin(speculative)  # the proposer's own cache rows
-        if counted == "decoder":  # a draft checkpoint
-            draft = model_memory(read_config(speculative.model), itemsize, kv_itemsize, packed, 1, extra)
+        if counted == "decoder":  # a draft checkpoint: block-quantized beside a block-quantized target (as shipped
+            # if a GGUF, else Q8_0: draft_model.py)
+            from specdecode.model.gguf import find_gguf
+            from specdecode.model.quant import SPECULATOR_FORMAT
+
+            draft_quantization = None if quantization is None else (
+                "gguf" if find_gguf(speculative.model) is not None else SPECULATOR_FORMAT)
+            draft = model_memory(read_config(speculative.model), itemsize, kv_itemsize, packed, 1, extra,
+                                 quantized_bytes_per_weight(Path(speculative.model), draft_quantization))
         else:  # "heads": a speculator directory
             draft = head_memory(Path(speculative.model), config, itemsize, kv_itemsize, packed, extra)
     d, tp = config.hidden_size, tensor_parallel_size

@@ -87,3 +87,28 @@ def test_tensor_parallel_halves_the_sharded_part():
     assert half.kv_per_position * 2 == whole.kv_per_position
     embed = c.vocab_size * c.hidden_size * 2 * 4  # untied: embedding and LM head stay whole on every rank
     assert half.weights - embed < (whole.weights - embed) / 2 + 2 * 1024
+
+
+def test_plan_counts_a_gguf_as_its_blocks(tiny_models, tmp_path, capsys):
+    """A GGUF is planned as the engine runs it on a CPU (its matrices kept as shipped): the target's weights are
+    about the file's bytes, not the dequantised float32 model's (3.5x more for Q4_K); `plan` resolves
+    --quantization as the engine does."""
+    from specdecode.model.quant import kernels
+    from specdecode.model.tokenizer import Tokenizer
+
+    from tests.model.gguf_files import tiny_model, write_gguf
+
+    if kernels() is None:
+        pytest.skip("the quantized kernels cannot be compiled here")
+    vocab = Tokenizer(tiny_models["target"]).vocab_size
+    path = write_gguf(tmp_path / "tiny-q4k.gguf", tiny_model("qwen2", vocab), tiny_models["tok"] / "tokenizer.json",
+                      "qwen2", "Q4_K")
+    kept = plan_memory(path, GiB, 64, 2, dtype="float32", device="cpu", quantization="gguf").target.weights
+    dense = plan_memory(path, GiB, 64, 2, dtype="float32", device="cpu").target.weights
+    assert 0.8 * path.stat().st_size < kept < 1.2 * path.stat().st_size and dense > 3 * kept
+    args = ["plan", "--model", str(path), "--device", "cpu", "--dtype", "float32", "--max-model-len", "64",
+            "--max-num-seqs", "2", "--device-memory", "1"]
+    assert main(args) == 0 and main(args + ["--quantization", "none"]) == 0
+    auto, none = (next(line for line in out.splitlines() if line.startswith("target weights"))
+                  for out in capsys.readouterr().out.split("tiny-q4k.gguf, speculation")[1:])
+    assert float(auto.split()[-2]) * GiB < 0.5 * float(none.split()[-2]) * GiB

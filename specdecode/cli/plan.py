@@ -6,13 +6,14 @@ from specdecode.plan import DEFAULT_HEADROOM, GiB, device_memory, plan_memory
 
 
 def register(sub) -> None:
-    from specdecode.cli.model_flags import add_model_args
+    from specdecode.cli.model_flags import add_model_args, add_quantization_arg
 
     p = sub.add_parser("plan", help="capacity plan: memory of a serving configuration, the largest batch that fits",
                        description="Print the memory per rank of the target, the draft or heads, the KV cache and "
                                    "activations, the headroom left and the largest batch that fits DEVICE_MEMORY; "
                                    "exit with status 1 if the configuration does not fit.")
     add_model_args(p)
+    add_quantization_arg(p)
     p.add_argument("--max-model-len", type=int_range(2), default=None,
                    help="positions per sequence (default: the model's)")
     p.add_argument("--max-num-seqs", type=MAX_NUM_SEQS, default=32, help="sequences decoded at once (default 32)")
@@ -28,15 +29,17 @@ def register(sub) -> None:
 
 def cmd_plan(args) -> int:
     from specdecode.cli.model_flags import resolve_models
-    from specdecode.model.loading import resolve_device
+    from specdecode.model.loading import resolve_device, resolve_quantization
     from specdecode.speculation.config import SpeculativeConfig
 
     model_dir, config, name = resolve_models(args)
+    device = resolve_device(args.device)
     if args.device_memory is None:
-        args.device_memory = device_memory(resolve_device(args.device)) / GiB
+        args.device_memory = device_memory(device) / GiB
+    quantization = resolve_quantization(args.quantization, model_dir, device, args.tensor_parallel_size)
     plan = plan_memory(model_dir, int(args.device_memory * GiB), args.max_model_len, args.max_num_seqs,
                        SpeculativeConfig.parse(config), args.dtype, args.device, args.tensor_parallel_size,
-                       args.headroom)
+                       args.headroom, quantization=quantization)
     method = config["method"] if config else "none"
     print(f"{name}, speculation: {method}, tensor parallel: {args.tensor_parallel_size}, "
           f"{args.device_memory:.4g} GiB per rank")
