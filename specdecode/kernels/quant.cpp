@@ -243,7 +243,7 @@ inline int index_in_group(Order order, int k, int lane) {
 // group-major, [groups, M, ...]: a tile of rows then reads one group of all its rows at fixed offsets from one
 // pointer.
 struct QuantRows {
-  torch::Tensor q, d, s, sum;
+  torch::Tensor q, d, s, sum, sum_hi;  // sum_hi: the sum of the block's last 16 values (Q6_K's second half)
   int64_t rows, blocks, groups;
 };
 
@@ -252,8 +252,8 @@ QuantRows quantize_rows(const torch::Tensor& x, Order order, bool interleaved) {
   auto xf = x.to(torch::kFloat32).contiguous();
   const int64_t M = xf.size(0), K = xf.size(1), nb = K / QK, ng = (nb + GROUP - 1) / GROUP;
   QuantRows out{torch::empty({M, ng * GROUP_VALUES}, torch::kInt16), torch::empty({M, ng * GROUP}, torch::kFloat32),
-                torch::empty({M, ng * GROUP}, torch::kFloat32), torch::empty({M, ng * GROUP}, torch::kInt32), M, nb,
-                ng};
+                torch::empty({M, ng * GROUP}, torch::kFloat32), torch::empty({M, ng * GROUP}, torch::kInt32),
+                torch::empty({M, ng * GROUP}, torch::kInt32), M, nb, ng};
   int position[GROUP_VALUES];  // position in the stored group -> element of the natural group
   for (int k = 0; k < VECTORS; ++k)
     for (int lane = 0; lane < 16; ++lane) position[k * 16 + lane] = index_in_group(order, k, lane);
@@ -262,6 +262,7 @@ QuantRows quantize_rows(const torch::Tensor& x, Order order, bool interleaved) {
   float* d = out.d.data_ptr<float>();
   float* s = out.s.data_ptr<float>();
   int32_t* sums = out.sum.data_ptr<int32_t>();
+  int32_t* sums_hi = out.sum_hi.data_ptr<int32_t>();
   at::parallel_for(0, M * ng, 32, [&](int64_t begin, int64_t end) {
     int16_t natural[GROUP_VALUES];
     for (int64_t i = begin; i < end; ++i) {  // group g of row m
@@ -272,7 +273,7 @@ QuantRows quantize_rows(const torch::Tensor& x, Order order, bool interleaved) {
         if (b >= nb) {
           std::memset(values, 0, QK * sizeof(int16_t));
           d[at] = s[at] = 0.f;
-          sums[at] = 0;
+          sums[at] = sums_hi[at] = 0;
           continue;
         }
         const float* v = src + m * K + b * QK;
@@ -280,15 +281,17 @@ QuantRows quantize_rows(const torch::Tensor& x, Order order, bool interleaved) {
         for (int j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(v[j]));
         const float scale = amax / LEVELS;
         const float inv = scale > 0.f ? 1.f / scale : 0.f;
-        int sum = 0;
+        int sum = 0, sum_hi = 0;
         for (int j = 0; j < QK; ++j) {
           const int value = static_cast<int>(std::nearbyint(v[j] * inv));
           values[j] = static_cast<int16_t>(value);
           sum += value;
+          if (j >= QK / 2) sum_hi += value;
         }
         d[at] = scale;
         s[at] = scale * static_cast<float>(sum);
         sums[at] = sum;
+        sums_hi[at] = sum_hi;
       }
       int16_t* dst = q + (interleaved ? g * M + m : i) * GROUP_VALUES;
       if (interleaved && (order == EVEN_ODD || (g + 1) * GROUP <= nb)) {  // (turned orders: whole groups only)
@@ -555,7 +558,7 @@ inline __m256i dot_add(__m256i acc, __m256i w, const int16_t* x) {
 struct RowsView {
   const int16_t* q;
   const float *d, *s;
-  const int32_t* sum;
+  const int32_t *sum, *sum_hi;
   int64_t q_group, group;  // from one group to the next: values of q, of d/s/sum (rows are 256 and 8 apart)
 };
 
@@ -707,14 +710,13 @@ inline void unpack_even_odd(const uint8_t* group, int b, __m256i& E, __m256i& O)
     const int half = b / 4, quarter = b % 4;
     const __m256i l = load256(group + 64 * half + 32 * (quarter % 2));
     const __m256i qh = load256(group + 128 + 32 * half);
-    const __m256i two = _mm256_set1_epi16(0x0030), offset = _mm256_set1_epi16(32);
+    const __m256i two = _mm256_set1_epi16(0x0030);
     const int shift = 4 * (quarter / 2), bits = 2 * quarter;  // the nibble, and the 2 high bits in qh
     const __m256i even = bits <= 4 ? _mm256_slli_epi16(qh, 4 - bits) : _mm256_srli_epi16(qh, bits - 4);
     E = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l, shift), low4), _mm256_and_si256(even, two));
     O = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l, 8 + shift), low4),
-                        _mm256_and_si256(_mm256_srli_epi16(qh, 4 + bits), two));
-    E = _mm256_sub_epi16(E, offset);
-    O = _mm256_sub_epi16(O, offset);
+                        _mm256_and_si256(_mm256_srli_epi16(qh, 4 + bits), two));  // q, 0..63: the -32 is in
+    // gemv_avx2 (32 x the activations' half sums, subtracted from the integer sums: exact, so the same numbers)
   } else {  // Q8_0, Q5_0, Q5_1: the block's 32 values as (signed) bytes
     __m256i y[GROUP];
     expand<F>(group + b * TRAITS<F>.bytes, y, 1);
@@ -759,6 +761,12 @@ void gemv_avx2(const uint8_t* w, int64_t row_bytes, const RowsView& x, int64_t n
       }
       __m256i A, B;
       halves8(p, A, B);
+      if constexpr (F == Q6_K) {  // v = q - 32: the halves' sums less 32 x the activations' half sums
+        const __m256i all = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.sum + g * x.group));
+        const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.sum_hi + g * x.group));
+        A = _mm256_sub_epi32(A, _mm256_slli_epi32(_mm256_sub_epi32(all, hi), 5));
+        B = _mm256_sub_epi32(B, _mm256_slli_epi32(hi, 5));
+      }
       __m256 dA, dB, mw;
       group_scales<F>(group, dA, dB, mw, count);
       acc[j] = scale_group<F>(acc[j], TRAITS<F>.split ? A : _mm256_add_epi32(A, B), B, dA, dB, mw, x, 0, g);
@@ -820,14 +828,14 @@ void chunk_avx2(const uint8_t* chunk, int64_t row_bytes, int64_t n_rows, const Q
   const int64_t M = x.rows, nb = x.blocks;
   if (M == 1) {  // a decode step: the activations are in the EVEN_ODD order (qmatmul_parts)
     const RowsView view{x.q.data_ptr<int16_t>(), x.d.data_ptr<float>(), x.s.data_ptr<float>(),
-                        x.sum.data_ptr<int32_t>(), GROUP_VALUES, GROUP};
+                        x.sum.data_ptr<int32_t>(), x.sum_hi.data_ptr<int32_t>(), GROUP_VALUES, GROUP};
     gemv_rows_avx2<F>(chunk, row_bytes, n_rows, view, nb, out);
     return;
   }
   for (int64_t m0 = 0; m0 < M; m0 += ROW_TILE) {
     const RowsView view{x.q.data_ptr<int16_t>() + m0 * GROUP_VALUES, x.d.data_ptr<float>() + m0 * GROUP,
                         x.s.data_ptr<float>() + m0 * GROUP, x.sum.data_ptr<int32_t>() + m0 * GROUP,
-                        M * GROUP_VALUES, M * GROUP};
+                        x.sum_hi.data_ptr<int32_t>() + m0 * GROUP, M * GROUP_VALUES, M * GROUP};
     range_avx2<F>(chunk, row_bytes, n_rows, view, nb, std::min(ROW_TILE, M - m0), out + m0 * N, N);
   }
 }
