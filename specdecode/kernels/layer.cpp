@@ -1,7 +1,7 @@
-// One Llama decoder layer over the new tokens of a cached forward, in one call: RMSNorm, the q/k/v product,
-// rotary, the cache write, attention over the cache, the output product and residual, RMSNorm, gate/up, SiLU-mul,
-// the down product and residual. Python's version (model/llama.py + attention.py) runs ~60 operators a layer;
-// here the only allocations are the products' outputs.
+// One Llama decoder layer over the new tokens of a cached forward, in one call: RMSNorm, the q/k/v product (with
+// Qwen2's biases, Qwen3's per-head q/k RMSNorm), rotary, the cache write, attention over the cache, the output
+// product and residual, RMSNorm, gate/up, SiLU-mul, the down product and residual. Python's version
+// (model/llama.py + attention.py) runs ~60 operators a layer; here the only allocations are the products' outputs.
 //
 // Numbers: float32 throughout (the activations' dtype of a quantized model on CPU; the cache is float32 on CPU).
 // Every token's result is computed by the same operations in the same order whatever else shares the forward
@@ -149,7 +149,8 @@ void attend_one(const float* q, const float* keys_t, int64_t stride, const float
 
 void layer_step(torch::Tensor x, const torch::Tensor& input_norm, const torch::Tensor& post_norm, double eps,
                 const std::vector<torch::Tensor>& w_qkv, const std::vector<int64_t>& f_qkv,
-                const c10::optional<torch::Tensor>& b_qkv, const std::vector<torch::Tensor>& w_o,
+                const c10::optional<torch::Tensor>& b_qkv, const c10::optional<torch::Tensor>& q_norm,
+                const c10::optional<torch::Tensor>& k_norm, const std::vector<torch::Tensor>& w_o,
                 const std::vector<int64_t>& f_o, const std::vector<torch::Tensor>& w_gate_up,
                 const std::vector<int64_t>& f_gate_up, const std::vector<torch::Tensor>& w_down,
                 const std::vector<int64_t>& f_down, const torch::Tensor& cos, const torch::Tensor& sin,
@@ -188,6 +189,17 @@ void layer_step(torch::Tensor x, const torch::Tensor& input_norm, const torch::T
   if (b_qkv.has_value() && b_qkv->defined()) qkv += *b_qkv;
   const int64_t width = (H + 2 * G) * hd, half = hd / 2;
   float* qkv_data = qkv.data_ptr<float>();
+  if (q_norm.has_value() && q_norm->defined()) {  // Qwen3: each q and k head RMS-normalised before rotary
+    TORCH_CHECK(k_norm.has_value() && k_norm->defined() && q_norm->numel() == hd && k_norm->numel() == hd,
+                "q_norm and k_norm must both be given, [head_dim] each");
+    const float* qw = q_norm->data_ptr<float>();
+    const float* kw = k_norm->data_ptr<float>();
+    for (int64_t i = 0; i < BT; ++i)
+      for (int64_t head = 0; head < H + G; ++head) {
+        float* v = qkv_data + i * width + head * hd;
+        rms_norm(v, head < H ? qw : kw, static_cast<float>(eps), 1, hd, v);  // (in place: it reads before it writes)
+      }
+  }
   const float* cs = cos.data_ptr<float>();
   const float* sn = sin.data_ptr<float>();
   std::vector<float> rolled(hd);

@@ -174,8 +174,8 @@ class LlamaForCausalLM(nn.Module):
 
     def fused_layers(self, cache: KVCache):
         """(the kernel, per-layer arguments, heads, kv heads) for cached forwards through kernels/layer.cpp - every
-        layer block-quantized, float32 on CPU with a float32 cache, no q/k norm - or None: the layers then run as
-        modules. The arguments are gathered once (the weights of an inference model do not change)."""
+        layer block-quantized, float32 on CPU with a float32 cache (Qwen3's q/k norms included) - or None: the layers
+        then run as modules. The arguments are gathered once (the weights of an inference model do not change)."""
         if cache.k[0].dtype != torch.float32 or not cache.k[0].is_contiguous():
             return None
         prepared = self.__dict__.get("_fused_layers", False)
@@ -188,13 +188,15 @@ class LlamaForCausalLM(nn.Module):
         if module is not None and all(
                 isinstance(m, QuantLinear) for layer in layers
                 for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                          layer.mlp.down_proj)) and not any(layer.self_attn.q_norm for layer in layers):
+                          layer.mlp.down_proj)):
             args = []
             for layer in layers:
                 attn, mlp = layer.self_attn, layer.mlp
                 args.append((layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
                              layer.input_layernorm.eps, attn.qkv_proj.qweights, attn.qkv_proj.format_ids,
-                             attn.qkv_proj.bias, attn.o_proj.qweights, attn.o_proj.format_ids,
+                             attn.qkv_proj.bias, *((attn.q_norm.weight.detach(), attn.k_norm.weight.detach())
+                                                   if attn.q_norm is not None else (None, None)),
+                             attn.o_proj.qweights, attn.o_proj.format_ids,
                              mlp.gate_up_proj.qweights, mlp.gate_up_proj.format_ids, mlp.down_proj.qweights,
                              mlp.down_proj.format_ids))
             prepared = (module.layer_step, args, layers[0].self_attn.num_heads, layers[0].self_attn.num_kv_heads)

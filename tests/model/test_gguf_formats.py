@@ -246,3 +246,22 @@ def test_greedy_speculation_is_plain_decoding(written, name):
     assert accepted["draft_model"] == drafted["draft_model"] > 0, (accepted, drafted)
     assert 0 < accepted["ngram"] < drafted["ngram"] and 0 < accepted["draft_tree"] < drafted["draft_tree"], \
         (accepted, drafted)
+
+
+def test_qwen3_runs_fused_with_its_q_k_norms(tiny_models, tmp_path):
+    """A Qwen3 file (per-head q/k RMSNorm, head_dim != hidden / heads) runs through the fused layer too, close to
+    the same weights dequantised through the modules; with its norms' weights changed the logits move (so the
+    fused layer really applies them)."""
+    vocab = Tokenizer(tiny_models["target"]).vocab_size
+    model = tiny_model("qwen3", vocab)
+    path = write_gguf(tmp_path / "qwen3-q8_0.gguf", model, tiny_models["tok"] / "tokenizer.json", "qwen3", "Q8_0")
+    kept = load_model(path, dtype="float32", quantization="gguf")
+    dense = load_model(path, dtype="float32")
+    assert kept.model.layers[0].self_attn.q_norm is not None
+    assert kept.fused_layers(kept.make_cache(1, 8)) is not None and kept.batch_invariant
+    ids = torch.randint(0, vocab, (2, 9))
+    a, b = cached_logits(kept, ids), cached_logits(dense, ids)
+    assert (a - b).abs().max() < 1e-3 * b.abs().max()
+    with torch.no_grad():
+        kept.model.layers[1].self_attn.k_norm.weight.mul_(3.0)
+    assert (cached_logits(kept, ids) - a).abs().max() > 1e-2 * a.abs().max()
