@@ -832,11 +832,13 @@ void chunk_avx2(const uint8_t* chunk, int64_t row_bytes, int64_t n_rows, const Q
     gemv_rows_avx2<F>(chunk, row_bytes, n_rows, view, nb, out);
     return;
   }
-  for (int64_t m0 = 0; m0 < M; m0 += ROW_TILE) {
+  // Tiles of equal size (9 rows: 5 + 4, not 8 + 1, which would unpack every weight twice for one row's sake).
+  const int64_t tiles = (M + ROW_TILE - 1) / ROW_TILE, tile = (M + tiles - 1) / tiles;
+  for (int64_t m0 = 0; m0 < M; m0 += tile) {
     const RowsView view{x.q.data_ptr<int16_t>() + m0 * GROUP_VALUES, x.d.data_ptr<float>() + m0 * GROUP,
                         x.s.data_ptr<float>() + m0 * GROUP, x.sum.data_ptr<int32_t>() + m0 * GROUP,
                         x.sum_hi.data_ptr<int32_t>() + m0 * GROUP, M * GROUP_VALUES, M * GROUP};
-    range_avx2<F>(chunk, row_bytes, n_rows, view, nb, std::min(ROW_TILE, M - m0), out + m0 * N, N);
+    range_avx2<F>(chunk, row_bytes, n_rows, view, nb, std::min(tile, M - m0), out + m0 * N, N);
   }
 }
 
