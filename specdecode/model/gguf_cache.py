@@ -41,7 +41,7 @@ from specdecode.model.gguf import gguf_config, gguf_state_dict, open_gguf
 from specdecode.model.gguf_tokenizer import GGUFTokenizerSpec, build_gguf_tokenizer
 from specdecode.catalog.registry import cache_dir, sha256_file
 
-CACHE_VERSION = "1"
+CACHE_VERSION = "2"
 """Format of the converted files; bump it when the conversion's output changes (names, q/k order, metadata) so
 that files written before are converted again."""
 KEEP_FREE = 2 * 2**30

@@ -26,6 +26,9 @@ PRE_TOKENIZER_SPLITS = {
 }
 """tokenizer.ggml.pre -> the split regex its merges were learned with; any other name gets GPT-2's split."""
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp token types
+END_TOKENS = frozenset({"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
+                        "<EOT>", "<|end_of_text|>"})
+"""Control tokens that end a generation in any GGUF (llama.cpp's end-of-generation set)."""
 
 
 @dataclass
@@ -98,6 +101,9 @@ def build_gguf_tokenizer(ckpt: GGUFCheckpoint) -> GGUFTokenizerSpec:
         return tokens[index] if index is not None and 0 <= index < len(tokens) else None
 
     eos_ids = [ckpt.get(f"tokenizer.ggml.{k}") for k in ("eos_token_id", "eot_token_id", "eom_token_id")]
+    # and the control tokens that end a generation whatever the metadata names (llama.cpp's rule): a Qwen2.5 file
+    # names <|im_end|> only, and its model also ends answers with <|endoftext|> (its generation_config has both)
+    eos_ids += [i for i, (t, kind) in enumerate(zip(tokens, token_types)) if kind == CONTROL and t in END_TOKENS]
     return GGUFTokenizerSpec(
         backend=backend, bos_token=token_text("bos_token_id"), eos_token=token_text("eos_token_id"),
         pad_token=token_text("padding_token_id"), eos_token_ids=sorted({i for i in eos_ids if i is not None}),

@@ -31,7 +31,8 @@ def test_config_from_metadata(ours):
     assert (config.vocab_size, config.rope_theta, config.max_position_embeddings) == (49152, 1e5, 8192)
     assert config.tie_word_embeddings and config.model_type == "llama"
     tokenizer = ours[1]
-    assert (tokenizer.bos_token_id, tokenizer.eos_token_ids, tokenizer.add_bos_token) == (1, [2], False)
+    # EOS: <|im_end|> (the metadata's), and <|endoftext|>, a control token that ends generation in llama.cpp too
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_ids, tokenizer.add_bos_token) == (1, [0, 2], False)
 
 
 def test_logits_equal_transformers(smollm2, ours, hf_tokenizer):
