@@ -1,0 +1,41 @@
+"""The kernels built for other instruction sets than this CPU's give this build's numbers bit for bit: AVX2 without
+VNNI (`-march=znver3`: vpmaddwd + vpaddd instead of vpdpwssd) and no AVX2 at all (`-march=x86-64`: the scalar
+reference as the kernel). Each build takes a minute or more, so this runs only when asked:
+
+    SPECDECODE_ISA_CHECK=1 python -m pytest tests/model/test_kernel_isas.py
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from specdecode import kernels as compiled
+from specdecode.model.quant import BLOCKS, FORMATS, kernels
+
+from .gguf_files import random_blocks
+
+pytestmark = [pytest.mark.skipif(not os.environ.get("SPECDECODE_ISA_CHECK"), reason="SPECDECODE_ISA_CHECK=1 runs it"),
+              pytest.mark.skipif(kernels() is None, reason="the quantized kernels cannot be compiled here")]
+
+
+@pytest.mark.parametrize("march, isa", [("znver3", "avx2"), ("x86-64", "scalar")])
+def test_another_instruction_set_gives_the_same_bits(march, isa, tmp_path):
+    from torch.utils import cpp_extension
+
+    flags = [flag for flag in compiled.FLAGS if not flag.startswith("-march")] + [f"-march={march}"]
+    other = cpp_extension.load(name=f"specdecode_quant_{isa}_check", extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                               sources=[str(p) for p in compiled.SOURCES if p.suffix == ".cpp"],
+                               build_directory=str(tmp_path), verbose=False)
+    assert other.instruction_set() == isa
+    rng = np.random.default_rng(0)
+    for fmt in FORMATS:
+        for K in ([256, 1536] if BLOCKS[fmt][0] == 256 else [96, 576, 896]):
+            q = torch.from_numpy(random_blocks(fmt, 45, K, rng))
+            for M in (1, 3, 8, 11):
+                x = torch.randn(M, K)
+                theirs = other.qmatmul(x, q, FORMATS[fmt], True)
+                assert torch.equal(theirs, kernels().qmatmul(x, q, FORMATS[fmt], True)), (fmt, K, M)
+                assert torch.equal(theirs, other.qmatmul(x, q, FORMATS[fmt], False)), (fmt, K, M)
