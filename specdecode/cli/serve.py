@@ -154,15 +154,17 @@ def size_batch(args, model_dir, config) -> Sizing:
         return Sizing()
     spec = SpeculativeConfig.parse(with_shipped_speculator(config, args.model))
     quantization = resolve_quantization(args.quantization, model_dir, device, args.tensor_parallel_size)
-    plan = plan_memory(model_dir, budget, args.max_model_len, wanted, spec, args.dtype, args.device,
-                       args.tensor_parallel_size, quantization=quantization)
+    def plan_for(max_model_len):
+        return plan_memory(model_dir, budget, max_model_len, wanted, spec, args.dtype, args.device,
+                           args.tensor_parallel_size, quantization=quantization)
+
+    plan = plan_for(args.max_model_len)
     largest = plan.largest_batch()
     while largest < 1 and args.max_model_len is None and plan.max_model_len > 2048:
         # no length asked for, and the model's whole context does not fit one sequence (a 32k-context model's
         # full-length prefill alone holds GBs of activations): serve shorter sequences, and say so
         shorter = plan.max_model_len // 2
-        plan = plan_memory(model_dir, budget, shorter, wanted, spec, args.dtype, args.device,
-                           args.tensor_parallel_size, quantization=quantization)
+        plan = plan_for(shorter)
         largest = plan.largest_batch()
         if largest >= 1:
             print(f"specdecode: serving sequences of up to {shorter} positions (the model's {context} do not fit "

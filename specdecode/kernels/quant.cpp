@@ -38,7 +38,8 @@
 // Speed (2-core AMD EPYC Zen 4, AVX-512 VNNI, ~26 GB/s read by one core; random blocks of the 1.5B's shapes, best
 // of 5; `python benchmarks/quant_kernels.py` on a model's own matrices):
 //   M = 1, 1 thread: Q4_K 65536 x 1536 (from memory) 21 GMAC/s (11.8 GB/s), 1536 x 8960 (in cache) 27 GMAC/s;
-//   Q6_K 32768 x 1536 13 GMAC/s. Qwen2.5-Coder-1.5B Q4_K_M one-token step 96 ms (1 thread), llama.cpp's 53 ms.
+//   Q6_K 32768 x 1536 13 GMAC/s. Qwen2.5-Coder-1.5B Q4_K_M one-token forward 77-84 ms (1 thread), llama.cpp
+//   ~49 ms a token (20.6 tok/s; docs/bench/speed_gguf_2026-12-04).
 // The rest of the step is ours to win: per group of 256 weights a Q4_K row costs ~110 instructions (unpacking ~28,
 // 16 multiply-adds, the hadd tree ~21, the 6-bit scales ~30), llama.cpp's ~70 with int8 activations (vpdpbusd: 32
 // products an instruction) and its sub-block scales applied in integers. Weights turned around once at load (a
