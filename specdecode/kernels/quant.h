@@ -2,10 +2,13 @@
 #pragma once
 #include <torch/extension.h>
 
-// x [M, K] (any float dtype) @ dequantized(weight [N, K]).T -> [M, N] float32 (see quant.cpp).
+// rows [N, bytes] of GGUF blocks -> the packed matrix (8 rows interleaved) that the products read (see quant.cpp).
+torch::Tensor pack(const torch::Tensor& weight, int64_t format, int64_t in_features);
+
+// x [M, K] (any float dtype) @ dequantized(weight [N, K]).T -> [M, N] float32 (packs the weight first).
 torch::Tensor qmatmul(const torch::Tensor& x, const torch::Tensor& weight, int64_t format, bool use_simd);
 
-// The same over a matrix stacked from parts of their own formats -> [M, sum of their rows] float32.
+// The same over a matrix stacked from packed parts of their own formats -> [M, sum of their rows] float32.
 torch::Tensor qmatmul_parts(const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
                             const std::vector<int64_t>& formats, bool use_simd);
 

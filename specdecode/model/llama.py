@@ -193,11 +193,11 @@ class LlamaForCausalLM(nn.Module):
             for layer in layers:
                 attn, mlp = layer.self_attn, layer.mlp
                 args.append((layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
-                             layer.input_layernorm.eps, attn.qkv_proj.qweights, attn.qkv_proj.format_ids,
+                             layer.input_layernorm.eps, attn.qkv_proj.packed, attn.qkv_proj.format_ids,
                              attn.qkv_proj.bias, *((attn.q_norm.weight.detach(), attn.k_norm.weight.detach())
                                                    if attn.q_norm is not None else (None, None)),
-                             attn.o_proj.qweights, attn.o_proj.format_ids,
-                             mlp.gate_up_proj.qweights, mlp.gate_up_proj.format_ids, mlp.down_proj.qweights,
+                             attn.o_proj.packed, attn.o_proj.format_ids,
+                             mlp.gate_up_proj.packed, mlp.gate_up_proj.format_ids, mlp.down_proj.packed,
                              mlp.down_proj.format_ids))
             prepared = (module.layer_step, args, layers[0].self_attn.num_heads, layers[0].self_attn.num_kv_heads)
         self.__dict__["_fused_layers"] = prepared

@@ -2,14 +2,15 @@
 byte (every type of llama.cpp's common presets: Q4_K_M, Q5_K_M, Q6_K, Q8_0, Q4_0, Q4_1 files) - and multiplied by
 specdecode's own kernels (specdecode/kernels/quant.cpp, compiled for this CPU on first use).
 
-A GGUF file's matrices are used where they lie, in the file's memory map (`attach_quantized`: the same weights
-llama.cpp runs, 0.56 bytes a weight for Q4_K, 1.06 for Q8_0, where a bfloat16 copy reads 2; nothing is copied or
-written); a stack of matrices in different formats (a Q4_K_M file's q/k in Q4_K, v in Q6_K) is one QuantLinear of
-parts. Any other checkpoint is quantized at load (`quantize_linears`, GGUF's reference rounding through the gguf
-package). Activations stay in the model's dtype (float32 for quantized matrices by default); the kernels round each
-row of activations to int16 per block of 32 (llama.cpp: int8), so the products are the dequantized model's to float
-rounding, and the quantized model is its own target: speculation is exact relative to it (its logits do not depend
-on how many rows share a pass, see kernels/quant.cpp).
+A GGUF file's matrices are read from the file's memory map and packed once at load into the kernels' layout (8
+rows interleaved, the same bytes rearranged: quant.cpp's pack; 0.56 bytes a weight for Q4_K, 1.06 for Q8_0, where
+a bfloat16 copy reads 2; nothing is written to disk); a stack of matrices in different formats (a Q4_K_M file's q/k
+in Q4_K, v in Q6_K) is one QuantLinear of parts. Any other checkpoint is quantized at load (`quantize_linears`,
+GGUF's reference rounding through the gguf package). Activations stay in the model's dtype (float32 for quantized
+matrices by default); the kernels round each row of activations to int8 per block of 32 (as llama.cpp does:
++0.016% perplexity on Qwen2.5-Coder-1.5B, +0.24% on SmolLM2, docs/bench/perplexity_int8_activations.md), and the
+quantized model is its own target: speculation is exact relative to it (its logits do not depend on how many rows
+share a pass, see kernels/quant.cpp).
 
 The modules keep the rest of the code base unchanged: `state_dict()` gives the dequantized weights under the
 original names (so digests, saving and the split of stacked q/k/v behave as for a float model) and `.weight` is a
@@ -116,12 +117,15 @@ class QuantLinear(nn.Module):
                               f"{sum(rows.shape[0] for _, rows in parts)} rows")
         self.formats = [fmt for fmt, _ in parts]
         self.format_ids = [FORMATS[fmt] for fmt in self.formats]
-        for i, (_, rows) in enumerate(parts):
-            self.register_buffer(f"qweight{i}", rows)
+        module = require_kernels()
+        for i, (fmt, rows) in enumerate(parts):
+            self.register_buffer(f"qweight{i}", rows)  # as shipped (a GGUF's memory map): for .weight and saving
+            # turned around once for the kernels (8 rows interleaved, quant.cpp's pack): what a product reads
+            self.register_buffer(f"packed{i}", module.pack(rows.contiguous(), FORMATS[fmt], in_features))
         self.in_features, self.out_features = in_features, out_features
         self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
         self.value_dtype = dtype  # what state_dict() and .weight give, and the output's dtype
-        self._kernel = require_kernels().qmatmul_parts
+        self._kernel = module.qmatmul_parts
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, fmt: str) -> "QuantLinear":
@@ -139,6 +143,11 @@ class QuantLinear(nn.Module):
         return [getattr(self, f"qweight{i}") for i in range(len(self.formats))]
 
     @property
+    def packed(self) -> list[torch.Tensor]:
+        """The parts as the kernels read them (quant.cpp's pack)."""
+        return [getattr(self, f"packed{i}") for i in range(len(self.formats))]
+
+    @property
     def weight(self) -> torch.Tensor:
         """A dequantized copy [out, in] (made on every access)."""
         return torch.cat([dequantize(rows, fmt, self.in_features) for fmt, rows in zip(self.formats, self.qweights)]
@@ -146,11 +155,11 @@ class QuantLinear(nn.Module):
 
     def bytes_read(self) -> int:
         bias = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
-        return sum(rows.numel() for rows in self.qweights) + bias
+        return sum(rows.numel() for rows in self.packed) + bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        out = self._kernel(flat, self.qweights, self.format_ids, True)  # [M, out] float32
+        out = self._kernel(flat, self.packed, self.format_ids, True)  # [M, out] float32
         if self.bias is not None:
             out += self.bias
         if x.dtype != torch.float32:

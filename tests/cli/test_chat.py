@@ -64,6 +64,6 @@ def test_old_turns_dropped_to_fit(tiny_models):
 
 
 def test_default_model_chats(smollm2, monkeypatch, capsys):
-    code, out, _ = chat(monkeypatch, capsys, ["What is the capital of France?"], "--max-tokens", 12,
+    code, out, _ = chat(monkeypatch, capsys, ["What is the capital of France? Answer in one sentence."], "--max-tokens", 12,
                         "--temperature", 0, "--dtype", "float32")
     assert code == 0 and "Paris" in out

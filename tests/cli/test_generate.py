@@ -164,13 +164,13 @@ def test_default_model_offline_is_one_line(monkeypatch, capsys, tmp_path):
 def test_default_model_answers(smollm2, capsys):
     """The front door: no --model means SmolLM2 (fetched once per test run) with its default speculator (prompt
     lookup under adaptive speculation), and a real answer."""
-    code, out, err = run(capsys, "What is the capital of France?", "--chat", "--max-tokens", 12,
+    code, out, err = run(capsys, "What is the capital of France? Answer in one sentence.", "--chat", "--max-tokens", 12,
                          "--dtype", "float32")
     assert code == 0, err
     assert out.startswith("The capital of France is Paris.")
     assert re.fullmatch(r"\d+ tokens, [\d.]+ tokens/s \(ngram, adaptive K<=5: acceptance rate [\d.]+%, "
                         r"[\d.]+ tokens per step\)", out.strip().splitlines()[-1])
-    code, out, err = run(capsys, "What is the capital of France?", "--chat", "--max-tokens", 12, "--dtype",
+    code, out, err = run(capsys, "What is the capital of France? Answer in one sentence.", "--chat", "--max-tokens", 12, "--dtype",
                          "float32", "--no-speculation")
     assert code == 0 and out.startswith("The capital of France is Paris.")
     assert re.fullmatch(r"\d+ tokens, [\d.]+ tokens/s", out.strip().splitlines()[-1])

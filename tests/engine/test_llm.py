@@ -164,7 +164,7 @@ def test_default_model(smollm2, tiny_models):
     speculator shipped for a named model (the CLI's default; checked there), and none for a path."""
     llm = LLM(dtype="float32", max_num_seqs=1)
     assert llm.model_dir == smollm2 and llm.model_name == "smollm2-135m-instruct" and llm.spec_config is None
-    [out] = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+    [out] = llm.chat([{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
                      SamplingParams(temperature=0, max_tokens=12))
     assert out.outputs[0].text == "The capital of France is Paris." and out.outputs[0].finish_reason == "stop"
     assert LLM(model=tiny_models["target"], speculative_config="auto").spec_config is None

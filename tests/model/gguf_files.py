@@ -165,3 +165,13 @@ def write_gguf(path: Path, model: LlamaForCausalLM, tokenizer_json: Path, varian
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def kernel_rounded(x: torch.Tensor) -> torch.Tensor:
+    """What the quantized kernels multiply: each block of 32 of a row rounded to int8 steps of d = max|x| / 127
+    (as llama.cpp does), in float32 as the kernels round (x * (1 / d), to nearest even); float64."""
+    blocks = x.float().reshape(-1, x.shape[-1] // 32, 32)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127
+    inverse = torch.where(scale > 0, 1 / torch.where(scale > 0, scale, 1), 0)
+    return (torch.round(blocks * inverse).double() * scale.double()).reshape(x.shape)
+

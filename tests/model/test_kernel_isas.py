@@ -1,5 +1,5 @@
 """The kernels built for other instruction sets than this CPU's give this build's numbers bit for bit: AVX2 without
-VNNI (`-march=znver3`: vpmaddwd + vpaddd instead of vpdpwssd) and no AVX2 at all (`-march=x86-64`: the scalar
+VNNI (`-march=znver3`: vpmaddubsw + vpmaddwd instead of vpdpbusd) and no AVX2 at all (`-march=x86-64`: the scalar
 reference as the kernel). Each build takes a minute or more, so this runs only when asked:
 
     SPECDECODE_ISA_CHECK=1 python -m pytest tests/model/test_kernel_isas.py

@@ -13,21 +13,13 @@ from specdecode.model.loading import load_model
 from specdecode.model.quant import (BLOCKS, FORMATS, QUANTIZE_FORMATS, QuantEmbedding, QuantLinear, dequantize,
                                     kernels, quantize, quantized_format, row_bytes)
 
-from .gguf_files import random_blocks, tiny_model, write_gguf
+from .gguf_files import kernel_rounded, random_blocks, tiny_model, write_gguf
 
 pytestmark = pytest.mark.skipif(kernels() is None, reason="the quantized kernels cannot be compiled here")
 
 ROW_LENGTHS = {32: [1, 2, 7, 8, 9, 16, 18, 28], 256: [1, 2, 3, 6]}
 """Row lengths tested, in blocks: whole groups of 8 blocks of 32, a partial group, both (28 blocks: the 0.5B's 896
 inputs); a K-quant row is whole super-blocks of 256."""
-
-
-def quantized_activations(x: torch.Tensor) -> torch.Tensor:
-    """What the kernels multiply: each block of 32 rounded to int16 steps of max|x| / 32767 (float64)."""
-    blocks = x.double().reshape(x.shape[0], -1, 32)
-    scale = (blocks.float().abs().amax(-1, keepdim=True) / 32767).double()
-    steps = torch.where(scale > 0, torch.round(blocks / torch.where(scale > 0, scale, 1)), 0)
-    return (steps * scale).reshape(x.shape)
 
 
 def gguf_reference(q: torch.Tensor, fmt: str, in_features: int) -> torch.Tensor:
@@ -47,7 +39,7 @@ def weights(fmt: str, rows: int, in_features: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 @pytest.mark.parametrize("simd", [True, False])
 def test_matmul_equals_the_gguf_reference(fmt, simd):
-    """Every format, every row length tested: the product equals the int16-rounded activations times gguf's
+    """Every format, every row length tested: the product equals the int8-rounded activations times gguf's
     dequantised weights to float32 rounding (3e-5 of the largest output), and the lookup of rows equals
     gguf's dequantization bit for bit."""
     values = BLOCKS[fmt][0]
@@ -61,7 +53,7 @@ def test_matmul_equals_the_gguf_reference(fmt, simd):
         x = torch.randn(11, K)
         out = kernels().qmatmul(x, q, FORMATS[fmt], simd)
         assert out.dtype == torch.float32 and out.shape == (11, 37)
-        expected = quantized_activations(x) @ reference.T
+        expected = kernel_rounded(x) @ reference.T
         # float32 sums of up to 1,536 products: the worst over 30 random inputs per format was 1.1e-5 of the
         # largest output; one wrong block moves it by ~1e-2
         torch.testing.assert_close(out.double(), expected, rtol=0, atol=3e-5 * expected.abs().max().item())
@@ -119,10 +111,11 @@ def test_a_stack_of_parts_in_different_formats():
     parts = [("q4_k", weights("q4_k", 24, 512, 1)), ("q6_k", weights("q6_k", 8, 512, 2)),
              ("q4_1", weights("q4_1", 5, 512, 3)), ("q8_0", weights("q8_0", 3, 512, 4))]
     x = torch.randn(6, 512)
-    stacked = kernels().qmatmul_parts(x, [q for _, q in parts], [FORMATS[f] for f, _ in parts], True)
+    packed = [kernels().pack(q, FORMATS[f], 512) for f, q in parts]
+    stacked = kernels().qmatmul_parts(x, packed, [FORMATS[f] for f, _ in parts], True)
     assert torch.equal(stacked, torch.cat([kernels().qmatmul(x, q, FORMATS[f], True) for f, q in parts], dim=1))
     layer = QuantLinear(parts, 512, 40)
-    assert layer.fmt == "q4_k+q6_k+q4_1+q8_0" and layer.bytes_read() == sum(q.numel() for _, q in parts)
+    assert layer.fmt == "q4_k+q6_k+q4_1+q8_0" and layer.bytes_read() == sum(p.numel() for p in packed)
     with torch.inference_mode():
         assert torch.equal(layer(x), stacked)
     torch.testing.assert_close(layer.weight.double(), torch.cat([gguf_reference(q, f, 512) for f, q in parts]))

@@ -104,6 +104,7 @@ def test_prometheus_scrapes_what_the_engine_counted(prometheus_program, served, 
         before = settled(served, prometheus)
         with Traffic(served.url) as traffic:
             traffic.wait_for_tokens(120)
+            time.sleep(3)  # three scrapes under load: a rate needs two samples (120 tokens can take under a second)
             busy = time.time()  # every client is still generating
         after = settled(served, prometheus)
         assert traffic.errors == [] and traffic.requests >= SLOTS
