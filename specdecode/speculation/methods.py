@@ -11,13 +11,13 @@ import dataclasses
 import importlib
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from specdecode.errors import ConfigError
 
-if TYPE_CHECKING:
-    from specdecode.speculation.config import SpeculativeConfig
-    from specdecode.speculation.proposers.base import Proposer
+# A method's callables take a validated SpeculativeConfig (speculation/config.py) and build a Proposer
+# (speculation/proposers/base.py). Both are named in words, not imported, even for type checkers: config.py looks
+# methods up in this registry and every proposer file registers itself here, so an import back would close a circle.
 
 KNOWN: dict[str, tuple[str, str]] = {
     "draft_model": ("a small model drafts", "specdecode.speculation.proposers.draft_model"),
@@ -49,11 +49,11 @@ class BuildContext:
     """The target's checkpoint (a directory or GGUF file), for methods that keep data beside it."""
 
 
-def _k(config: "SpeculativeConfig") -> int:
+def _k(config) -> int:
     return config.num_speculative_tokens
 
 
-def _one(config: "SpeculativeConfig") -> int:
+def _one(config) -> int:
     return 1
 
 
@@ -63,7 +63,7 @@ class Method:
 
     name: str
     """vLLM's name where vLLM has one (speculative_config["method"], --speculative-method)."""
-    build: Callable[["SpeculativeConfig", BuildContext], "Proposer"]
+    build: Callable[[Any, BuildContext], Any]
     """The proposer for a validated config."""
     model: str | None = None
     """What speculative_config["model"] names: "draft" (a checkpoint of a small model), "speculator" (a directory
@@ -73,16 +73,16 @@ class Method:
     """Whether the config must name a model (a shipped one is filled in for named targets first)."""
     options: tuple[str, ...] = ()
     """The speculative_config keys only this method reads."""
-    max_depth: Callable[["SpeculativeConfig"], int] = _k
+    max_depth: Callable[[Any], int] = _k
     """The deepest draft a step verifies (the controller's largest K)."""
-    nodes_per_level: Callable[["SpeculativeConfig"], int] = _one
+    nodes_per_level: Callable[[Any], int] = _one
     """Tree nodes per drafted level (what the controller's costs are measured for)."""
-    pass_nodes: Callable[["SpeculativeConfig", int], int] | None = None
+    pass_nodes: Callable[[Any, int], int] | None = None
     """Nodes one sequence adds to the target pass when it drafts k levels (default nodes_per_level * k)."""
     draft_memory: str | None = None
     """What the capacity plan counts for the proposer: "decoder" (the draft checkpoint: weights and KV cache),
     "heads" (the speculator's heads and, for EAGLE, one layer's KV cache) or None (nothing worth counting)."""
-    cache_margin: Callable[["SpeculativeConfig"], int] = lambda config: 0
+    cache_margin: Callable[[Any], int] = lambda config: 0
     """Positions its own cache holds per row beyond the target's (drafts in flight)."""
     trainer: str | None = None
     """`specdecode train` stage that writes its model, if it learns."""
@@ -91,7 +91,7 @@ class Method:
     structured request's grammar forces that a step drafts (free: accepted with probability one), when longer than
     the method's own trees; the caches keep room for it."""
 
-    def nodes(self, config: "SpeculativeConfig", k: int) -> int:
+    def nodes(self, config, k: int) -> int:
         if self.pass_nodes is not None:
             return self.pass_nodes(config, min(k, self.max_depth(config)))
         return self.nodes_per_level(config) * k
