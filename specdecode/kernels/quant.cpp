@@ -209,9 +209,9 @@ void check_weight(const torch::Tensor& weight, int64_t format, int64_t in_featur
 // byte 4r + i of vector u is row r's value 4u + i, so one vpdpbusd of vector u with the activations' bytes
 // 4u..4u+3 broadcast adds 4 products to each row's lane, and 8 of them leave the block's 8 exact row sums in one
 // vector: no horizontal sums, and a vector of 8 outputs at the end. Values are stored as unsigned codes
-// (Q4_0's q, Q5_0's q, Q6_K's q without their - 8, - 16, - 32; the offset enters with the activation sum like
-// a min), 4-bit planes (vectors 2t and 2t + 1 are the low and high nibbles of 32 bytes) plus a plane of their
-// fifth bits (Q5_0, Q5_1, Q5_K) or fifth and sixth (Q6_K); Q8_0 keeps its signed bytes. The packed matrix is as
+// (Q4_0's q, Q5_0's q, Q6_K's q without their - 8, - 16, - 32, Q8_0's q + 128; the offset enters with the
+// activation sum like a min), 4-bit planes (vectors 2t and 2t + 1 are the low and high nibbles of 32 bytes) plus a
+// plane of their fifth bits (Q5_0, Q5_1, Q5_K) or fifth and sixth (Q6_K); Q8_0 keeps whole bytes. The packed matrix is as
 // large as the file's (Q4_K: 1184 bytes a super-block of 8 rows against 8 x 144: its 6-bit scales decoded).
 struct Super {
   int64_t values, bytes;                    // inputs a super-block covers; its bytes for 8 rows
@@ -228,7 +228,7 @@ constexpr int64_t LANES = 8;            // weight rows a group
 constexpr int64_t HEADER = 64;          // a packed matrix's header: magic, format, rows, inputs, groups
 constexpr int64_t MAGIC = 0x4b43505344;  // "DSPCK"
 // The offset each format's codes carry (w = scale * (code - OFFSET)): entered as c = -OFFSET * scale.
-constexpr int OFFSET[NUM_FORMATS] = {0, 8, 0, 16, 0, 0, 0, 32};
+constexpr int OFFSET[NUM_FORMATS] = {128, 8, 0, 16, 0, 0, 0, 32};
 
 struct Packed {
   const uint8_t* groups;
@@ -353,17 +353,19 @@ namespace {
 struct RowsFrom {  // pointers at row m of each array of Activations
   const int8_t* q;
   const float *d, *s, *s_lo, *s_hi;
+  const int32_t* sum;
 };
 struct Activations {
-  torch::Tensor q, d, s, s_lo, s_hi;
+  torch::Tensor q, d, s, s_lo, s_hi, sum;  // sum: the block's integer sum (Q8_0 without VNNI)
   int64_t rows, inputs, blocks;
+  RowsFrom base;  // the arrays' data (read once: data_ptr<T>() checks the type on every call)
   RowsFrom from(int64_t m) const {
-    return {q.data_ptr<int8_t>() + m * inputs, d.data_ptr<float>() + m * blocks, s.data_ptr<float>() + m * blocks,
-            s_lo.data_ptr<float>() + m * blocks, s_hi.data_ptr<float>() + m * blocks};
+    return {base.q + m * inputs, base.d + m * blocks, base.s + m * blocks, base.s_lo + m * blocks,
+            base.s_hi + m * blocks, base.sum + m * blocks};
   }
 };
 
-inline void quantize_block(const float* v, int8_t* q, float& d, float& s, float& s_lo, float& s_hi) {
+inline void quantize_block(const float* v, int8_t* q, float& d, float& s, float& s_lo, float& s_hi, int32_t& sum) {
   float amax = 0.f;
   for (int j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(v[j]));
   d = amax / 127.f;
@@ -390,7 +392,8 @@ inline void quantize_block(const float* v, int8_t* q, float& d, float& s, float&
     (j < QK / 2 ? sum_lo : sum_hi) += value;
   }
 #endif
-  s = d * static_cast<float>(sum_lo + sum_hi);
+  sum = sum_lo + sum_hi;
+  s = d * static_cast<float>(sum);
   s_lo = d * static_cast<float>(sum_lo);
   s_hi = d * static_cast<float>(sum_hi);
 }
@@ -399,13 +402,16 @@ Activations quantize_activations(const torch::Tensor& x) {
   auto xf = x.to(torch::kFloat32).contiguous();
   const int64_t M = xf.size(0), K = xf.size(1), nb = K / QK;
   Activations a{torch::empty({M, K}, torch::kInt8), torch::empty({M, nb}), torch::empty({M, nb}),
-                torch::empty({M, nb}), torch::empty({M, nb}), M, K, nb};
+                torch::empty({M, nb}), torch::empty({M, nb}), torch::empty({M, nb}, torch::kInt32), M, K, nb, {}};
   const float* src = xf.data_ptr<float>();
   int8_t* q = a.q.data_ptr<int8_t>();
   float *d = a.d.data_ptr<float>(), *s = a.s.data_ptr<float>();
   float *s_lo = a.s_lo.data_ptr<float>(), *s_hi = a.s_hi.data_ptr<float>();
+  int32_t* sum = a.sum.data_ptr<int32_t>();
+  a.base = {q, d, s, s_lo, s_hi, sum};
   at::parallel_for(0, M * nb, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) quantize_block(src + i * QK, q + i * QK, d[i], s[i], s_lo[i], s_hi[i]);
+    for (int64_t i = begin; i < end; ++i)
+      quantize_block(src + i * QK, q + i * QK, d[i], s[i], s_lo[i], s_hi[i], sum[i]);
   });
   return a;
 }
@@ -423,7 +429,7 @@ void packed_block(int64_t format, const uint8_t* sb, int64_t j, int r, int* u, f
   const Super& s = SUPER[format];
   const float d = half_to_float(load16(sb + s.d + 2 * r));
   if (format == Q8_0) {
-    for (int e = 0; e < QK; ++e) u[e] = static_cast<int8_t>(sb[s.q + code_at(r, e)]);
+    for (int e = 0; e < QK; ++e) u[e] = sb[s.q + code_at(r, e)];
   } else {
     const uint8_t* q = sb + s.q + j * 128;
     for (int e = 0; e < QK; ++e) {
@@ -476,7 +482,7 @@ void group_scalar(const Packed& w, const uint8_t* group, const Activations& a, i
           int sum = 0;
           for (int e = 0; e < QK; ++e) sum += u[e] * x[e];
           acc = std::fma(static_cast<float>(sum), scale * xd[b], acc);
-          if (w.format != Q8_0) acc = std::fma(c, xs[b], acc);
+          acc = std::fma(c, xs[b], acc);
         }
       }
     }
@@ -487,9 +493,11 @@ void group_scalar(const Packed& w, const uint8_t* group, const Activations& a, i
 #if defined(__AVX2__)
 
 #if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#define VNNI 1
 // acc + the 4-product sums of unsigned w and signed x bytes, per int32 lane (exact: no saturation)
 inline __m256i dot4(__m256i acc, __m256i w, __m256i x) { return _mm256_dpbusd_epi32(acc, w, x); }
 #else
+#define VNNI 0
 inline __m256i dot4(__m256i acc, __m256i w, __m256i x) {
   // pairs of products as int16 (|w| <= 128 and |x| <= 127 keep them below 2^15: exact), then pairs of pairs
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
@@ -604,10 +612,12 @@ void group_avx2(const Packed& w, const uint8_t* group, const Activations& a, int
         if constexpr (s.m >= 0) c = second;
         else c = _mm256_mul_ps(scale, _mm256_set1_ps(static_cast<float>(-OFFSET[F])));
       }
-      __m256i v[8], sign[8];
+      __m256i v[8];
       unpack<F>(sb, j, v);
-      if constexpr (F == Q8_0)
-        for (int u = 0; u < 8; ++u) sign[u] = v[u], v[u] = _mm256_abs_epi8(v[u]);
+#if !VNNI
+      if constexpr (F == Q8_0)  // without VNNI: the signed q (code - 128), multiplied as |q| times x with q's sign
+        for (int u = 0; u < 8; ++u) v[u] = _mm256_xor_si256(v[u], _mm256_set1_epi8(static_cast<char>(0x80)));
+#endif
       UNROLL for (int m = 0; m < R; ++m) {
         const int8_t* x = xq + m * K + b * QK;
         const __m256 dx = _mm256_set1_ps(xd[m * nb + b]);
@@ -623,41 +633,44 @@ void group_avx2(const Packed& w, const uint8_t* group, const Activations& a, int
           continue;
         }
         __m256i sum;
-        if constexpr (F == Q8_0) {  // signed weights: |w| times x with w's sign
+#if !VNNI
+        if constexpr (F == Q8_0) {  // vpmaddubsw would saturate on codes up to 255: sum q * x, then add 128 * sum(x)
           __m256i even = zero, odd = zero;
           for (int u = 0; u < 8; u += 2) {
-            even = dot4(even, v[u], _mm256_sign_epi8(broadcast4(x + 4 * u), sign[u]));
-            odd = dot4(odd, v[u + 1], _mm256_sign_epi8(broadcast4(x + 4 * u + 4), sign[u + 1]));
+            even = dot4(even, _mm256_abs_epi8(v[u]), _mm256_sign_epi8(broadcast4(x + 4 * u), v[u]));
+            odd = dot4(odd, _mm256_abs_epi8(v[u + 1]), _mm256_sign_epi8(broadcast4(x + 4 * u + 4), v[u + 1]));
           }
-          sum = _mm256_add_epi32(even, odd);
-        } else {  // two chains (one a row was 5-10% slower at 4-9 rows: the multiply-adds' latency)
+          sum = _mm256_add_epi32(_mm256_add_epi32(even, odd), _mm256_set1_epi32(128 * rows.sum[m * nb + b]));
+        } else
+#endif
+        {  // two chains (one a row was 5-10% slower at 4-9 rows: the multiply-adds' latency)
           __m256i even = dot4_at(zero, v[0], x), odd = dot4_at(zero, v[1], x + 4);
           even = dot4_at(dot4_at(dot4_at(even, v[2], x + 8), v[4], x + 16), v[6], x + 24);
           odd = dot4_at(dot4_at(dot4_at(odd, v[3], x + 12), v[5], x + 20), v[7], x + 28);
           sum = _mm256_add_epi32(even, odd);
         }
         acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(scale, dx), acc[m]);
-        if constexpr (F != Q8_0) {
-          const __m256 block_sum = _mm256_set1_ps(xs[m * nb + b]);
-          if constexpr (s.sc >= 0) acc[m] = _mm256_fnmadd_ps(c, block_sum, acc[m]);
-          else acc[m] = _mm256_fmadd_ps(c, block_sum, acc[m]);
-        }
+        const __m256 block_sum = _mm256_set1_ps(xs[m * nb + b]);
+        if constexpr (s.sc >= 0) acc[m] = _mm256_fnmadd_ps(c, block_sum, acc[m]);
+        else acc[m] = _mm256_fmadd_ps(c, block_sum, acc[m]);
       }
     }
   }
   for (int m = 0; m < R; ++m) _mm256_storeu_ps(out + m * ldo, acc[m]);
 }
 
+// Activation rows [r0, r1) against groups [g0, g1) of one packed matrix.
 template <int F>
-void groups_avx2(const Packed& w, int64_t g0, int64_t g1, const Activations& a, float* out, int64_t ldo) {
-  const int64_t M = a.rows, tiles = (M + ROW_TILE - 1) / ROW_TILE, tile = (M + tiles - 1) / tiles;
+void groups_avx2(const Packed& w, int64_t g0, int64_t g1, const Activations& a, int64_t r0, int64_t r1, float* out,
+                 int64_t ldo) {
+  const int64_t M = r1 - r0, tiles = (M + ROW_TILE - 1) / ROW_TILE, tile = (M + tiles - 1) / tiles;
   const int64_t group_bytes = w.super_blocks * SUPER[F].bytes;
   float spill[ROW_TILE * LANES];
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* group = w.groups + g * group_bytes;
     const int64_t lanes = std::min(LANES, w.rows - g * LANES);
-    for (int64_t m0 = 0; m0 < M; m0 += tile) {  // tiles of equal size (9 rows: 5 + 4)
-      const int64_t R = std::min(tile, M - m0);
+    for (int64_t m0 = r0; m0 < r1; m0 += tile) {  // tiles of equal size (9 rows: 5 + 4)
+      const int64_t R = std::min(tile, r1 - m0);
       float* dst = lanes == LANES ? out + m0 * ldo + g * LANES : spill;
       const int64_t stride = lanes == LANES ? ldo : LANES;
       switch (R) {
@@ -676,18 +689,19 @@ void groups_avx2(const Packed& w, int64_t g0, int64_t g1, const Activations& a, 
   }
 }
 
-using GroupsKernel = void (*)(const Packed&, int64_t, int64_t, const Activations&, float*, int64_t);
+using GroupsKernel = void (*)(const Packed&, int64_t, int64_t, const Activations&, int64_t, int64_t, float*, int64_t);
 constexpr GroupsKernel GROUP_KERNELS[NUM_FORMATS] = {groups_avx2<Q8_0>, groups_avx2<Q4_0>, groups_avx2<Q4_1>,
                                                      groups_avx2<Q5_0>, groups_avx2<Q5_1>, groups_avx2<Q4_K>,
                                                      groups_avx2<Q5_K>, groups_avx2<Q6_K>};
 #endif  // __AVX2__
 
-// Groups [g0, g1) of one packed matrix into columns of out (row stride ldo; out points at the part's column 0).
-void groups_range(const Packed& w, int64_t g0, int64_t g1, const Activations& a, float* out, int64_t ldo,
-                  bool use_simd) {
+// Activation rows [r0, r1) against groups [g0, g1) of one packed matrix, into columns of out (row stride ldo; out
+// points at the part's column 0).
+void groups_range(const Packed& w, int64_t g0, int64_t g1, const Activations& a, int64_t r0, int64_t r1, float* out,
+                  int64_t ldo, bool use_simd) {
 #if defined(__AVX2__)
   if (use_simd) {
-    GROUP_KERNELS[w.format](w, g0, g1, a, out, ldo);
+    GROUP_KERNELS[w.format](w, g0, g1, a, r0, r1, out, ldo);
     return;
   }
 #endif
@@ -695,13 +709,17 @@ void groups_range(const Packed& w, int64_t g0, int64_t g1, const Activations& a,
   float lanes_out[LANES];
   for (int64_t g = g0; g < g1; ++g) {
     const int64_t lanes = std::min(LANES, w.rows - g * LANES);
-    for (int64_t m = 0; m < a.rows; ++m) {
+    for (int64_t m = r0; m < r1; ++m) {
       group_scalar(w, w.groups + g * group_bytes, a, m, lanes_out);
       std::memcpy(out + m * ldo + g * LANES, lanes_out, lanes * sizeof(float));
     }
   }
 }
 
+}  // namespace
+
+namespace {
+constexpr int64_t CHUNK_BYTES = 256 << 10;  // activation bytes a pass over the weights takes at most
 }  // namespace
 
 // x [M, K] (any float dtype) @ [dequantized(part 0); dequantized(part 1); ...].T -> [M, sum of rows] float32,
@@ -723,12 +741,18 @@ torch::Tensor qmatmul_parts(const torch::Tensor& x, const std::vector<torch::Ten
   if (M == 0) return out;
   const Activations a = quantize_activations(x);
   float* o = out.data_ptr<float>();
-  int64_t column = 0;
-  for (const Packed& w : parts) {
-    at::parallel_for(0, w.count, 4, [&](int64_t g0, int64_t g1) {
-      groups_range(w, g0, g1, a, o + column, N, use_simd);
-    });
-    column += w.rows;
+  // Long prompts go through in chunks of rows whose int8 activations fit in L2 (every group of weights reads all of
+  // a chunk's rows: 330 rows of 8,960 inputs were 3 MB re-read per group, and prefill ran at half speed).
+  const int64_t chunk = std::max<int64_t>(8, (CHUNK_BYTES / K) / 8 * 8);
+  for (int64_t r0 = 0; r0 < M; r0 += chunk) {
+    const int64_t r1 = std::min(M, r0 + chunk);
+    int64_t column = 0;
+    for (const Packed& w : parts) {
+      at::parallel_for(0, w.count, 4, [&](int64_t g0, int64_t g1) {
+        groups_range(w, g0, g1, a, r0, r1, o + column, N, use_simd);
+      });
+      column += w.rows;
+    }
   }
   return out;
 }
