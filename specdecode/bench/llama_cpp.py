@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import re
 import statistics
@@ -158,6 +159,15 @@ class LlamaCpp:
             self._formats[model] = "unknown" if value is None else gguf.LlamaFileType(int(value)).name.removeprefix(
                 "MOSTLY_")
         return self._formats[model]
+
+    def pass_costs(self, model: Path, widths: list[int], repeats: int = 3) -> dict[int, float] | None:
+        """Seconds of one batch of K prompt tokens for each K in widths (`llama-bench -p K -n 0`: a pass over K
+        tokens from an empty context, the mean of `repeats`), or None without llama-bench in the build."""
+        if not os.access(self.bin_dir / "llama-bench", os.X_OK):
+            return None
+        out, _ = self._run("llama-bench", ["-m", str(model), "-p", ",".join(map(str, widths)), "-n", "0",
+                                           "-t", str(self.threads), "-r", str(repeats), "-o", "json"])
+        return {int(row["n_prompt"]): row["avg_ns"] / 1e9 for row in json.loads(out)}
 
     def tokenize(self, model: Path, text: str) -> list[int]:
         """The ids llama.cpp gives the text (special tokens parsed, no BOS added), as llama-completion sees it."""

@@ -315,7 +315,10 @@ def time_vs_llama_cpp(config: SpeedConfig, log=print) -> dict:
                     best[name] = r
         runs += best.values()
     reference = next(r.name for r in runs if r.engine == "llama.cpp" and r.mode == "plain")
+    log(f"vs llama.cpp: llama-bench passes over K = 1..{config.max_verify} tokens")
+    passes = peer.pass_costs(gguf, list(range(1, config.max_verify + 1)))
     return {"bin_dir": str(config.llama_cpp), "reference": reference, "draft": draft, "spec_config": spec_config,
+            "pass_costs": passes,
             "same_prompt_ids": same_ids, "rows": compare(runs, reference),
             "runs": [dataclasses.asdict(r) for r in runs]}
 

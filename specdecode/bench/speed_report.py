@@ -53,12 +53,18 @@ def decode_table(results: dict) -> str:
 
 
 def verify_table(results: dict) -> str:
+    """Ours by K, and llama.cpp's `llama-bench -p K` beside them when the run had a llama.cpp build."""
     names = list(results["verify"])
     ks = sorted(int(k) for k in next(iter(results["verify"].values()))["relative"])
-    lines = ["| K | " + " | ".join(f"{n} (ms, x one)" for n in names) + " |", "|---:|" + "---:|" * len(names)]
+    theirs = (results.get("vs_llama_cpp") or {}).get("pass_costs") or {}
+    head = [f"{n} (ms, x one)" for n in names] + (["llama.cpp llama-bench -p K (ms, x one)"] if theirs else [])
+    lines = ["| K | " + " | ".join(head) + " |", "|---:|" + "---:|" * len(head)]
     for k in ks:
         cells = [f"{1000 * _get(results['verify'][n]['seconds'], k):.2f} ms, "
                  f"{_get(results['verify'][n]['relative'], k):.2f}x" for n in names]
+        if theirs:
+            cells.append(f"{1000 * _get(theirs, k):.2f} ms, {_get(theirs, k) / _get(theirs, 1):.2f}x"
+                         if k in theirs or str(k) in theirs else "-")
         lines.append(f"| {k} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

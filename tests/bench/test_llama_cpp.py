@@ -80,13 +80,19 @@ def test_output_without_timings_is_a_one_line_error():
         parse_lookup_log(COMPLETION_LOG)
 
 
+BENCH_JSON = ('[{"n_prompt": 1, "n_gen": 0, "avg_ns": 11107413, "avg_ts": 90.07},'
+              ' {"n_prompt": 2, "n_gen": 0, "avg_ns": 18382609, "avg_ts": 108.8}]\n')
+"""What `llama-bench -p 1,2 -n 0 -o json` prints (trimmed to the fields read), from a real run on SmolLM2."""
+
+
 def _fake_bin(folder: Path, record: Path) -> Path:
     """Stand-ins for the llama.cpp binaries: each writes its arguments and its prompt file's bytes under `record`,
     then prints what the real one prints."""
     folder.mkdir()
     outputs = {"llama-completion": ("Because of Rayleigh scattering.\n\n", COMPLETION_LOG),
                "llama-lookup": (f"\n\n{PROMPT}Because of Rayleigh scattering.\n\n\n\n", LOOKUP_LOG),
-               "llama-tokenize": ("[1, 9690, 198]\n", ""), "llama-quantize": ("", "quantize time = 1 ms\n")}
+               "llama-tokenize": ("[1, 9690, 198]\n", ""), "llama-quantize": ("", "quantize time = 1 ms\n"),
+               "llama-bench": (BENCH_JSON, "")}
     for name, (out, err) in outputs.items():
         script = folder / name
         (record / f"{name}.out").write_text(out)
@@ -144,6 +150,23 @@ def test_runs_pass_our_exact_prompt_and_no_template(fake_llama):
     args = (record / "llama-tokenize.args").read_text().split("\n")
     assert "--no-bos" in args and "--no-escape" in args
     assert (record / "llama-tokenize.prompt").read_bytes() == PROMPT.encode()
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="the stand-in binaries are shell scripts")
+def test_pass_costs_come_from_llama_bench_and_sit_beside_ours(fake_llama):
+    from specdecode.bench.speed_report import verify_table
+
+    peer, model, record = fake_llama
+    costs = peer.pass_costs(model, [1, 2], repeats=2)
+    args = (record / "llama-bench.args").read_text().split("\n")
+    assert args[args.index("-p") + 1] == "1,2" and args[args.index("-n") + 1] == "0"
+    assert args[args.index("-t") + 1] == "1" and args[args.index("-o") + 1] == "json"
+    assert costs == {1: 0.011107413, 2: 0.018382609}
+    ours = {"seconds": {"1": 0.010, "2": 0.012}, "relative": {"1": 1.0, "2": 1.2}}
+    table = verify_table({"verify": {"gguf": ours}, "vs_llama_cpp": {"pass_costs": {str(k): v for k, v in costs.items()}}})
+    assert "| 2 | 12.00 ms, 1.20x | 18.38 ms, 1.65x |" in table
+    (peer.bin_dir / "llama-bench").unlink()
+    assert peer.pass_costs(model, [1, 2]) is None
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="the stand-in binaries are shell scripts")
