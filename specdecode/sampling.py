@@ -67,7 +67,7 @@ class SamplingParams:
     """Seed of this request's random numbers (None: a fresh one). With the default sampler the same seed gives the
     same text alone or in any batch, with or without speculation, adaptive or fixed K (same model, weights
     format, dtype and machine; bitwise so where the target's numerics are batch-invariant, as the default quantized
-    kernels are, README "Exactness"). Greedy ignores it."""
+    kernels are: docs/exactness.md). Greedy ignores it."""
     ignore_eos: bool = False
     """Keep generating after an end-of-sequence token (benchmarks use it for fixed-length outputs)."""
     use_speculation: bool = True

@@ -105,7 +105,7 @@ MODELS = {m.name: m for m in [
 
 
 DEFAULT_SPECULATORS: dict[str, dict | None] = {
-    # The shipped EAGLE/Medusa/draft speculators do not pay on a CPU yet (README): prompt lookup, with K chosen per step from measured costs and acceptance
+    # The shipped EAGLE/Medusa/draft speculators do not pay on a CPU yet (docs/training.md): prompt lookup, with K chosen per step from measured costs and acceptance
     # (drafting nothing when it does not pay). 1.30x plain in float32 and 1.14x in bfloat16 on 4 chat prompts.
     "smollm2-135m-instruct": {"method": "ngram", "adaptive": True},
     # The 0.5B shares the 1.5B's vocabulary (151,936 tokens) and special tokens; as a name, it is fetched like a target.
