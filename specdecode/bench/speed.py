@@ -258,7 +258,7 @@ def time_vs_llama_cpp(config: SpeedConfig, log=print) -> dict:
     from specdecode.bench.llama_cpp import LlamaCpp, PeerRun, compare
     from specdecode.catalog.registry import cache_dir, default_speculative_config
 
-    peer = LlamaCpp(config.llama_cpp)
+    peer = LlamaCpp(config.llama_cpp, threads=torch.get_num_threads())  # as many threads as ours
     gguf = Path(config.model)
     spec_config = default_speculative_config(None) or {"method": "ngram", "adaptive": True}
     draft = spec_config.get("num_speculative_tokens", 8)  # ngram's default K: llama-lookup's draft limit alike

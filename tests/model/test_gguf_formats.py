@@ -267,3 +267,27 @@ def test_qwen3_runs_fused_with_its_q_k_norms(tiny_models, tmp_path):
     with torch.no_grad():
         kept.model.layers[1].self_attn.k_norm.weight.mul_(3.0)
     assert (cached_logits(kept, ids) - a).abs().max() > 2 * TOLERANCE * a.abs().max()
+
+
+def test_a_draft_with_a_shorter_head_stays_exact(written, monkeypatch):
+    """A quantized draft with a large vocabulary keeps only its first DRAFT_VOCAB output rows (here 100 of the
+    tiny models' vocabulary): it never drafts a token beyond them, so the file drafting for itself now has drafts
+    rejected, and still greedy decoding and seeded sampling (q padded with zeros beyond the head) give plain
+    decoding's tokens exactly."""
+    from specdecode.speculation.proposers import draft_model
+
+    monkeypatch.setattr(draft_model, "DRAFT_VOCAB", 100)
+    target = written("Q4_K", tied=False, small_biases=True)
+    plain = LLM(model=target, max_num_seqs=3)
+    config = {"method": "draft_model", "model": str(target), "num_speculative_tokens": 3, "adaptive": False}
+    llm = LLM(model=target, speculative_config=config, max_num_seqs=3)
+    head = llm.proposer.model.lm_head
+    assert isinstance(head, QuantLinear) and head.out_features == 100 and llm.proposer.vocab_size > 200
+    reference = plain.generate(SEED_PROMPTS, GREEDY)
+    assert any(t >= 100 for o in reference for t in o.outputs[0].token_ids)  # tokens the draft cannot propose
+    outputs = llm.generate(SEED_PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in reference]
+    assert 0 < llm.total_stats.accepted_tokens < llm.total_stats.draft_tokens
+    sampled = SamplingParams(temperature=0.8, seed=7, max_tokens=24, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in llm.generate(SEED_PROMPTS, sampled)] == \
+        [o.outputs[0].token_ids for o in plain.generate(SEED_PROMPTS, sampled)]

@@ -28,6 +28,8 @@ class DraftModelConfig:
     """Depth K of every draft chain."""
     num_drafts: int = 1
     """Chains per sequence: 1 = a chain, more = a tree branching at the root."""
+    draft_vocab: int | None = None
+    """Draft only tokens with ids below this (the draft's output head keeps those rows: see draft_head)."""
 
     def __post_init__(self):
         if self.num_speculative_tokens < 1:
@@ -57,6 +59,9 @@ class DraftModelProposer:
     def __init__(self, config: DraftModelConfig, model: LlamaForCausalLM):
         self.config = config
         self.model = model
+        self.vocab_size = model.config.vocab_size  # what the verifier's q rows span
+        if config.draft_vocab is not None:
+            model.lm_head = draft_head(model.lm_head, config.draft_vocab)
         self.cache = None
         self.draft_len: dict[str, int] = {}  # request -> tokens committed in the draft cache
         self.held: dict[int, list[int]] = {}  # slot -> the tokens its rows hold from the request that left it
@@ -174,7 +179,9 @@ class DraftModelProposer:
             level_tokens.append(tokens)
             level_q.append(q)
         all_tokens = torch.stack(level_tokens, dim=2).cpu()  # [B, w, K]
-        all_q = None if greedy else torch.stack(level_q, dim=2)  # [B, w, K, V]
+        all_q = None if greedy else torch.stack(level_q, dim=2)  # [B, w, K, V] (V: the draft head's rows)
+        if all_q is not None and all_q.shape[-1] < self.vocab_size:  # tokens the head leaves out: q = 0
+            all_q = torch.nn.functional.pad(all_q, (0, self.vocab_size - all_q.shape[-1]))
         trees = []
         for b, seq in enumerate(seqs):
             k = min(budgets[b], K)
@@ -205,6 +212,31 @@ class DraftModelProposer:
             self.cache.commit(torch.tensor(rows), kept_t, torch.tensor(n_kept))
 
 
+DRAFT_VOCAB = 65536
+"""A quantized draft whose vocabulary is over twice this drafts only tokens with ids below it. A draft's output head
+is a large share of its step (Qwen2.5-Coder-0.5B: 151,936 x 896 in Q8_0, 144 of the 394 MB a step reads), and
+byte-level BPE vocabularies number their tokens in merge order, most frequent first: the first 32,768 ids cover
+92-97% of the 1.5B's greedy answers to four code prompts, 65,536 nearly all. Measured on two code prompts (the
+1.5B with the 0.5B drafting 4, one thread, Zen 4): whole head 1.11x / 1.11x plain, 64k rows 1.14x / 1.16x, 32k
+rows 1.08x / 1.14x (acceptance 75% -> 62% on the first). A token the draft cannot propose only ends that chain
+early; the verifier, which sees every token, keeps the output exactly the target's (sampled drafts: q is 0 beyond
+the head, a valid draft distribution)."""
+
+
+def draft_head(head, rows: int):
+    """The first `rows` output rows of a draft's head (a block-quantized QuantLinear keeps its bytes; else None:
+    the head stays whole)."""
+    from specdecode.model.quant import QuantLinear
+    if not isinstance(head, QuantLinear) or head.out_features <= rows or head.bias is not None:
+        return head
+    parts, left = [], rows
+    for fmt, weight in zip(head.formats, head.qweights):
+        if left > 0:
+            parts.append((fmt, weight[:left]))
+            left -= min(left, weight.shape[0])
+    return QuantLinear(parts, head.in_features, rows, None, head.value_dtype)
+
+
 def _build(config, context) -> DraftModelProposer:
     from pathlib import Path
 
@@ -224,8 +256,9 @@ def _build(config, context) -> DraftModelProposer:
     if quantization is not None and find_gguf(draft_dir) is not None:
         quantization = "gguf"
     draft = load_model(draft_dir, dtype=context.dtype, device=context.device, quantization=quantization)
-    return DraftModelProposer(DraftModelConfig(str(draft_dir), config.num_speculative_tokens, config.num_drafts),
-                              draft)
+    vocab = DRAFT_VOCAB if quantization is not None and draft_cfg.vocab_size > 2 * DRAFT_VOCAB else None
+    return DraftModelProposer(DraftModelConfig(str(draft_dir), config.num_speculative_tokens, config.num_drafts,
+                                               vocab), draft)
 
 
 METHOD = Method("draft_model", _build, model="draft", model_required=True, options=("num_drafts",),
