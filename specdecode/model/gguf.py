@@ -295,6 +295,15 @@ def _open_cached(path: str, mtime_ns: int, size: int) -> GGUFCheckpoint:
     return GGUFCheckpoint(Path(path))
 
 
+def release_pages(path: str | Path) -> None:
+    """Drop this process's resident pages of a GGUF's memory map (after its matrices were packed: the kernels read
+    the packed copies, and the few pages read again - embedding rows - come back from the page cache). Without it the
+    resident size counts the file twice (the 1.5B: ~2.2 GB after loading instead of ~1.2)."""
+    reader = open_gguf(path).reader
+    if hasattr(mmap, "MADV_DONTNEED"):
+        reader._map.madvise(mmap.MADV_DONTNEED)
+
+
 def open_gguf(path: str | Path) -> GGUFCheckpoint:
     """Open (once: the model and its tokenizer share the parse, which takes seconds for a large vocabulary)."""
     path = Path(path).resolve()

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from specdecode.errors import CheckpointError, ConfigError
 from specdecode.hardware import cpu_has_native_bf16
 from specdecode.model.config import ModelConfig
-from specdecode.model.gguf import find_gguf, gguf_config, gguf_state_dict, open_gguf
+from specdecode.model.gguf import find_gguf, gguf_config, gguf_state_dict, open_gguf, release_pages
 from specdecode.model.gguf_cache import gguf_model_config, read_gguf
 from specdecode.model.linear import QUANTIZATIONS as FLOAT_QUANTIZATIONS
 from specdecode.model.linear import prepare_for_inference
@@ -199,6 +199,7 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
                                   f"implies {tuple(want)}; the weights and the config do not match")
     if quantization == "gguf":
         attach_quantized(model, state, dtype)  # the shipped matrices become modules; state keeps the rest
+        release_pages(find_gguf(model_dir))  # packed: the file's pages need not stay resident
     state = {k: v.to(dtype) for k, v in state.items() if k in expected}
     model.load_state_dict(state, assign=True, strict=False)
     if config.tie_word_embeddings and not isinstance(model.model.embed_tokens, QuantEmbedding):
