@@ -282,61 +282,56 @@ torch::Tensor pack(const torch::Tensor& weight, int64_t format, int64_t in_featu
   uint8_t* dst = out.data_ptr<uint8_t>() + HEADER;
   at::parallel_for(0, groups, 16, [&](int64_t g0, int64_t g1) {
     int v[QK];
-    uint8_t codes[QK * LANES];
+    uint8_t u[QK];
     for (int64_t g = g0; g < g1; ++g) {
       for (int64_t p = 0; p < nsb; ++p) {
         uint8_t* sb = dst + (g * nsb + p) * s.bytes;
-        for (int64_t j = 0; j < blocks_per; ++j) {
-          std::memset(codes, 0, sizeof(codes));
-          for (int r = 0; r < LANES; ++r) {
-            const int64_t n = g * LANES + r;
-            if (n >= N) continue;
-            const uint8_t* row = w + n * row_bytes;
-            const int64_t b = p * blocks_per + j;
+        for (int r = 0; r < LANES; ++r) {
+          const int64_t n = g * LANES + r;
+          if (n >= N) continue;  // padding rows stay zero
+          const uint8_t* row = w + n * row_bytes;
+          const uint8_t* blk = row + p * FORMATS[format].bytes;  // the block (or super-block) p
+          if (format == Q6_K) {
+            std::memcpy(sb + s.d + 2 * r, blk + 208, 2);
+            for (int h = 0; h < 16; ++h) sb[s.sc + h * LANES + r] = blk[192 + h];  // int8 scale of values 16h..
+          } else {
+            std::memcpy(sb + s.d + 2 * r, blk, 2);
+            if (s.m >= 0) std::memcpy(sb + s.m + 2 * r, blk + 2, 2);
+          }
+          for (int64_t j = 0; j < blocks_per; ++j) {
             float dA, dB, m;
-            block_weights(format, row, b, v, dA, dB, m);
-            for (int e = 0; e < QK; ++e) codes[code_at(r, e)] = static_cast<uint8_t>(v[e] + OFFSET[format]);
-            const uint8_t* blk = row + p * FORMATS[format].bytes;  // the block (or super-block) holding b
-            if (format == Q6_K) {
-              if (j == 0) std::memcpy(sb + s.d + 2 * r, blk + 208, 2);
-              const auto* scales = reinterpret_cast<const int8_t*>(blk + 192);
-              const int half = static_cast<int>(j / 4), quarter = static_cast<int>(j % 4);
-              sb[s.sc + (2 * j) * LANES + r] = static_cast<uint8_t>(scales[8 * half + 2 * quarter]);
-              sb[s.sc + (2 * j + 1) * LANES + r] = static_cast<uint8_t>(scales[8 * half + 2 * quarter + 1]);
-            } else {
-              if (j == 0) std::memcpy(sb + s.d + 2 * r, blk, 2);
-              if (j == 0 && s.m >= 0) std::memcpy(sb + s.m + 2 * r, blk + 2, 2);
-              if (s.sc >= 0) {
-                int scale, min;
-                k_scale_min(blk + 4, static_cast<int>(j), scale, min);
-                sb[s.sc + j * LANES + r] = static_cast<uint8_t>(scale);
-                sb[s.mn + j * LANES + r] = static_cast<uint8_t>(min);
-              }
+            block_weights(format, row, p * blocks_per + j, v, dA, dB, m);
+            for (int e = 0; e < QK; ++e) u[e] = static_cast<uint8_t>(v[e] + OFFSET[format]);
+            if (s.sc >= 0 && format != Q6_K) {
+              int scale, min;
+              k_scale_min(blk + 4, static_cast<int>(j), scale, min);
+              sb[s.sc + j * LANES + r] = static_cast<uint8_t>(scale);
+              sb[s.mn + j * LANES + r] = static_cast<uint8_t>(min);
             }
-          }
-          if (format == Q8_0) {
-            std::memcpy(sb + s.q, codes, sizeof(codes));
-            continue;
-          }
-          uint8_t* q = sb + s.q + j * 128;
-          for (int t = 0; t < 4; ++t)
-            for (int k = 0; k < 32; ++k)
-              q[32 * t + k] = (codes[64 * t + k] & 0x0F) | ((codes[64 * t + 32 + k] & 0x0F) << 4);
-          if (s.hi_bits == 1) {
-            uint8_t* hi = sb + s.hi + j * 32;
-            for (int k = 0; k < 32; ++k) {
-              uint8_t bits = 0;
-              for (int u = 0; u < 8; ++u) bits |= ((codes[32 * u + k] >> 4) & 1) << u;
-              hi[k] = bits;
+            if (format == Q8_0) {  // whole bytes: vector a (values 4a..4a+3), byte 4r + i
+              for (int e = 0; e < QK; ++e) sb[s.q + code_at(r, e)] = u[e];
+              continue;
             }
-          } else if (s.hi_bits == 2) {
-            uint8_t* hi = sb + s.hi + j * 64;
-            for (int half = 0; half < 2; ++half)
-              for (int k = 0; k < 32; ++k) {
+            uint8_t* q = sb + s.q + j * 128;  // vector t: low nibbles values 8t..8t+3, high nibbles 8t+4..8t+7
+            for (int t4 = 0; t4 < 4; ++t4)
+              for (int i = 0; i < 4; ++i)
+                q[32 * t4 + 4 * r + i] = (u[8 * t4 + i] & 0x0F) | ((u[8 * t4 + 4 + i] & 0x0F) << 4);
+            if (s.hi_bits == 1) {  // bit a of byte 4r + i: the fifth bit of value 4a + i
+              uint8_t* hi = sb + s.hi + j * 32;
+              for (int i = 0; i < 4; ++i) {
                 uint8_t bits = 0;
-                for (int u = 0; u < 4; ++u) bits |= ((codes[32 * (4 * half + u) + k] >> 4) & 3) << (2 * u);
-                hi[32 * half + k] = bits;
+                for (int a = 0; a < 8; ++a) bits |= ((u[4 * a + i] >> 4) & 1) << a;
+                hi[4 * r + i] = bits;
               }
+            } else if (s.hi_bits == 2) {  // vector half, bits 2a, 2a + 1 of byte 4r + i: value 4 (4 half + a) + i
+              uint8_t* hi = sb + s.hi + j * 64;
+              for (int half = 0; half < 2; ++half)
+                for (int i = 0; i < 4; ++i) {
+                  uint8_t bits = 0;
+                  for (int a = 0; a < 4; ++a) bits |= ((u[4 * (4 * half + a) + i] >> 4) & 3) << (2 * a);
+                  hi[32 * half + 4 * r + i] = bits;
+                }
+            }
           }
         }
       }
