@@ -2,7 +2,9 @@
 every configuration once per round, two rounds, one thread; tok/s of whole chat() calls (round 1 includes the
 prompt's prefill, round 2 finds it in the prefix cache; suffix decoding, inside auto, remembers round 1's answer).
 
-    python docs/bench/speed_int8_2026-12-04/pair.py [THREADS] [CONFIGS]
+    python docs/bench/speed_int8_2026-12-04/pair.py [THREADS] [CONFIGS] [TEMPERATURE]
+
+(TEMPERATURE > 0: seeded sampling, which gives the same tokens with or without speculation.)
 """
 import sys, time, json, torch
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[3]))
@@ -21,9 +23,10 @@ configs = {
   "ngram": {"method": "ngram", "num_speculative_tokens": 8},
   "auto": {"method": "auto", "num_speculative_tokens": 8},
 }
-only = sys.argv[2].split(",") if len(sys.argv) > 2 else list(configs)
+only = sys.argv[2].split(",") if len(sys.argv) > 2 and sys.argv[2] else list(configs)
 llms = {n: LLM(model="qwen2.5-coder-1.5b-instruct", speculative_config=configs[n], max_num_seqs=1) for n in only}
-params = SamplingParams(temperature=0, max_tokens=160)
+temperature = float(sys.argv[3]) if len(sys.argv) > 3 else 0.0
+params = SamplingParams(temperature=temperature, seed=1 if temperature > 0 else None, max_tokens=160)
 res = {n: {p: [] for p in PROMPTS} for n in llms}
 texts = {}
 for r in range(2):
