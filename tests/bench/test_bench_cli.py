@@ -33,6 +33,7 @@ def bench_run(tiny_models, tmp_path_factory):
     return out, json.loads((out / "results.json").read_text())
 
 
+@pytest.mark.slow
 def test_writes_results_report_and_plots(bench_run):
     out, _ = bench_run
     for name in ("report.md", "speedup.png", "batch_sweep.png", "accepted_length.png"):

@@ -22,6 +22,7 @@ def server(tiny_models, tmp_path_factory):
 
 @pytest.mark.parametrize("load", [LoadConfig(rate=float("inf")), LoadConfig(rate=50.0, seed=1),
                                   LoadConfig(concurrency=2)], ids=lambda load: load.label)
+@pytest.mark.slow
 def test_load_against_our_server(server, load):
     requests = [Request([{"role": "user", "content": p}], max_tokens=5, source=str(i)) for i, p in enumerate(PROMPTS)]
     model = _served_model(server.base_url, None)

@@ -10,6 +10,7 @@ from specdecode.errors import ConfigError
 from specdecode.model.loading import load_model
 
 
+@pytest.mark.slow
 def test_speed_run_and_report(tiny_models, tmp_path):
     config = SpeedConfig(model=tiny_models["target"], tokens=6, rounds=1, dtypes=("float32",), max_verify=8,
                          batch=2, peers=True, clock="cpu")
@@ -49,6 +50,7 @@ def test_int8_is_offered_only_with_reduced_precision(tiny_models):
     assert torch.get_num_threads() == 1  # the cpu clock needs one thread (tests/conftest.py sets it)
 
 
+@pytest.mark.slow
 def test_bench_speed_cli(tiny_models, tmp_path, capsys):
     from specdecode.cli import main
 

@@ -62,6 +62,7 @@ def test_statistics_on_exact_and_biased_draws():
     assert sum(good.rank_observed) == 4096 and np.isclose(sum(good.rank_expected), 4096)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampler", ["race", "rejection"])
 @pytest.mark.parametrize("kind", ["chain", "qtree", "onehot"])
 @pytest.mark.parametrize("params", list(TEMPERATURES))
@@ -78,12 +79,14 @@ def test_real_verifier_passes(pair, kind, params, sampler):
     ("race_uniform_noise", "chain", "t1", "race"),
     ("race_uniform_noise", "onehot", "t0.7_top_p0.9", "race"),
 ])
+@pytest.mark.slow
 def test_broken_verifier_fails(pair, monkeypatch, name, kind, params, sampler):
     broken.inject(monkeypatch, name)
     v = run(pair, kind, sampler=sampler, **TEMPERATURES[params])
     assert not v.passed and v.p_value < 1e-6, v
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampler", ["race", "rejection"])
 def test_min_p(pair, monkeypatch, sampler):
     """min_p certified under both samplers; a verifier that drops it is rejected decisively."""
@@ -98,6 +101,7 @@ PENALTIES = {"presence_penalty": 1.0, "frequency_penalty": 0.5, "repetition_pena
              "logit_bias": {3: 2.0, 5: -3.0}}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampler", ["race", "rejection"])
 def test_penalties(pair, monkeypatch, sampler):
     """Penalties and logit_bias certified at every tree node under both samplers; penalties computed from the
@@ -113,6 +117,7 @@ ALTERNATING = {"regex": "([a-m][n-z])+"}
 """A grammar whose allowed tokens depend on the path: after a letter of a-m only n-z may follow, and back."""
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampler", ["race", "rejection"])
 def test_structured_output(pair, monkeypatch, sampler):
     """The grammar's mask certified at every node under both samplers (a tree drafting several chains); the
@@ -130,6 +135,7 @@ EVERYTHING = {**PENALTIES, "min_p": 0.05, "top_k": 40, "top_p": 0.9, "temperatur
 """Every option at once: the grammar's mask, penalties and bias at each node, then temperature, min_p, top-k, top-p."""
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampler", ["race", "rejection"])
 def test_every_option_combined(pair, sampler):
     """All the options in one request are certified at every node of a multi-chain tree under both samplers."""
@@ -137,6 +143,7 @@ def test_every_option_combined(pair, sampler):
     assert good.passed and good.p_value > 1e-3 and good.impossible == 0, good
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampler", ["race", "rejection"])
 def test_every_option_but_the_grammar_combined(pair, sampler):
     good = run(pair, "chain", samples=2048, sampler=sampler, **{**EVERYTHING, "structured": None})
@@ -145,6 +152,7 @@ def test_every_option_but_the_grammar_combined(pair, sampler):
 
 @pytest.mark.parametrize("name,structured", [("grammar_from_root", ALTERNATING), ("min_p_dropped", ALTERNATING),
                                              ("penalties_from_root", None)])
+@pytest.mark.slow
 def test_each_wrong_option_is_caught_in_combination(pair, monkeypatch, name, structured):
     """With every option on, getting any one of them wrong is still rejected decisively. (Penalties from the root
     only go wrong at accepted drafts, which the grammar makes rare - ~1% of drafts with this draft model - so that
@@ -176,6 +184,7 @@ def test_certify_refuses_greedy_and_plain(pair):
     assert main(["certify", "--model", str(pair / "target"), "--no-speculation"]) == 2
 
 
+@pytest.mark.slow
 def test_smollm2_prompt_lookup_passes(smollm2):
     """The real model, its real prompts and prompt lookup, on a small sample (the pipeline, not the power)."""
     llm = LLM(dtype="float32", max_num_seqs=8, speculative_config={"method": "ngram", "adaptive": False})

@@ -41,6 +41,7 @@ def test_plain_answers_do_not_depend_on_the_batch(plain):
     assert answers(llm, together=True) == alone
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", METHODS)
 def test_every_method_gives_plain_answers_alone_and_in_a_batch(plain, method):
     reference_llm, reference = plain

@@ -185,6 +185,7 @@ def count_dropped(llm, monkeypatch) -> list[int]:
     return dropped
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["plain", "draft_chain", "draft_tree", "ngram"])
 def test_generate_and_stream_agree_with_the_oracle(llms, cases, method, monkeypatch):
     llm = llms[method]
@@ -245,6 +246,7 @@ REAL_CASES = [("1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4, 5, 6, 7, 8, 1, 2,", "5,"),
 
 @pytest.mark.parametrize("method", [None, {"method": "ngram", "num_speculative_tokens": 5, "adaptive": False}],
                          ids=["plain", "ngram"])
+@pytest.mark.slow
 def test_the_real_model_stops_alike_in_every_mode(smollm2, method):
     """SmolLM2 splits emoji and CJK characters over several tokens, and prompt lookup accepts long runs on these
     repetitive prompts (so a stop string often lies inside one run). The numbers prompt once streamed ' 3, 4, 5'

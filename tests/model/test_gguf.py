@@ -54,6 +54,7 @@ def transformers_logits(path: Path) -> torch.Tensor:
         return model(IDS).logits
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant, qtype", CASES, ids=[f"{v}-{q}" for v, q in CASES])
 def test_logits_equal_transformers_gguf_loading(written, variant, qtype):
     path, source = written(variant, qtype)

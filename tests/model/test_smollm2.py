@@ -35,6 +35,7 @@ def test_config_from_metadata(ours):
     assert (tokenizer.bos_token_id, tokenizer.eos_token_ids, tokenizer.add_bos_token) == (1, [0, 2], False)
 
 
+@pytest.mark.slow
 def test_logits_equal_transformers(smollm2, ours, hf_tokenizer):
     """Same weights bit for bit; logits within 1e-4 with the plain matmul backend. (oneDNN's prepacked float32
     kernels sum in another order: 1.2e-4 at logits of magnitude 38 was measured with them.)"""

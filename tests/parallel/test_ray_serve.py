@@ -61,6 +61,7 @@ def complete(api, prompt: str, max_tokens: int = 12) -> tuple[str, str]:
     return raw.parse().choices[0].text, raw.headers[REPLICA_HEADER]
 
 
+@pytest.mark.slow
 def test_greedy_answers_equal_offline_and_both_replicas_serve(cluster, tiny_models):
     offline = LLM(str(tiny_models["target"]), dtype="float32", max_num_seqs=4, max_model_len=512)
     want = [o.outputs[0].text for o in offline.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12))]
@@ -123,6 +124,7 @@ def drain(stream) -> tuple[int, Exception | None]:
     return result[0], result[1]
 
 
+@pytest.mark.slow
 def test_a_killed_replica_fails_its_streams_retryably_and_is_replaced(cluster):
     api = client(cluster)
     streams = []
@@ -158,6 +160,7 @@ def test_a_killed_replica_fails_its_streams_retryably_and_is_replaced(cluster):
     assert len(replicas - {victim}) == 2, f"the killed replica was not replaced: {replicas}"
 
 
+@pytest.mark.slow
 def test_deleting_the_deployment_finishes_in_flight_requests(cluster):
     (stream, _), = open_streams(client(cluster), 1)
     deleting = threading.Thread(target=serve.delete, args=("specdecode",), daemon=True)

@@ -23,6 +23,7 @@ def assert_logits_match(want: torch.Tensor, got: torch.Tensor) -> None:
     scale = want.abs().max().item()
     assert (want - got).abs().max().item() <= 1e-5 * scale, (want - got).abs().max().item()
 
+@pytest.mark.slow
 @torch.inference_mode()
 def test_sharded_logits_equal_the_whole_model(tiny_models):
     whole = load_model(tiny_models["target"], dtype="float32", device="cpu")
@@ -64,6 +65,7 @@ def eagle_dir(tiny_models, tmp_path_factory):
     save_speculator(copy_head(target, torch.arange(target.config.vocab_size)), target, root / "copy")
     return root
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["plain", "draft_model", "eagle"])
 def test_greedy_output_is_identical(tiny_models, eagle_dir, method):
     target, config = str(tiny_models["target"]), None
@@ -99,6 +101,7 @@ def test_sizes_that_do_not_divide_the_heads_are_refused(tiny_models):
         LLM(str(tiny_models["target"]), dtype="float32", tensor_parallel_size=2, draft_tensor_parallel_size=2)
 
 
+@pytest.mark.slow
 def test_generate_command_takes_the_flag(tiny_models, capsys):
     from specdecode.cli import main
 

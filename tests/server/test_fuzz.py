@@ -39,6 +39,7 @@ def test_schema_describes_the_request_bodies(fuzzed):
     assert "ChatMessage" in components
 
 
+@pytest.mark.slow
 def test_fuzzed_requests_get_no_5xx_and_openai_errors(fuzzed):
     report = fuzz(fuzzed.url, examples=40, seed=0, workers=4)
     assert report.failed == 0, "\n".join(report.failures)

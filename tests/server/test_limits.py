@@ -105,6 +105,7 @@ def raw_exchange(server, data: bytes) -> bytes:
         return received
 
 
+@pytest.mark.slow
 def test_half_sent_requests_are_cut_off(limited):
     # A request head that never ends: the connection is closed (uvicorn alone would keep it forever).
     assert raw_exchange(limited, b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n") == b""

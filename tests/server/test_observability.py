@@ -73,6 +73,7 @@ def served(smollm2):
         stop_server(proc)
 
 
+@pytest.mark.slow
 def test_dashboard_shows_live_figures_in_chromium(chromium, served, tmp_path):
     keep = os.environ.get("SPECDECODE_DASHBOARD_PNG")
     # For the documentation's picture: a minute of traffic, with more clients than slots so some queue.
@@ -99,6 +100,7 @@ def test_dashboard_shows_live_figures_in_chromium(chromium, served, tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and int.from_bytes(png[16:20], "big") == 1400
 
 
+@pytest.mark.slow
 def test_prometheus_scrapes_what_the_engine_counted(prometheus_program, served, tmp_path):
     with Prometheus(prometheus_program, served.port, tmp_path) as prometheus:
         before = settled(served, prometheus)

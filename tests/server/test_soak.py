@@ -2,12 +2,15 @@
 16 clients, streaming and not, greedy and sampled, completions and chat, some walking away mid-stream or cancelling;
 no 5xx, every completed greedy answer equals offline generation, the gauges return to 0 and the server's memory
 stays within 10% of what it was after warm-up. (The full run: 64 clients for 10 minutes on SmolLM2.)"""
+import pytest
+
 from specdecode.engine.llm import LLM
 
 from specdecode.bench.soak import SoakConfig, check_greedy, offline_generator, run_soak
 from specdecode.bench.servers import start_server, stop_server
 
 
+@pytest.mark.slow
 def test_short_soak(tiny_models):
     spec = ["--speculative-model", str(tiny_models["draft"]), "--num-speculative-tokens", "3", "--no-adaptive"]
     proc, url = start_server(["--model", str(tiny_models["target"]), "--dtype", "float32", "--max-num-seqs", "8",

@@ -54,6 +54,7 @@ def streamed(c, model: str, **request) -> tuple[str, str | None, int]:
     return text, reason, usage
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["plain_server", "server"])
 def test_streamed_and_whole_completions_stop_like_generate(request, which, cases):
     server = request.getfixturevalue(which)

@@ -319,6 +319,7 @@ def test_published_schema_follows_the_template(tool_server, chatml_server):
     assert fields["tools"]["anyOf"][0]["maxItems"] == 0 and message["tool_calls"]["type"] == "null"
 
 
+@pytest.mark.slow
 def test_fuzzed_tool_requests_get_no_5xx(tool_server):
     """The fuzzer, over the schema this server publishes (tools, tool_choice, messages with calls): no 5xx, every
     answer as the schema says."""

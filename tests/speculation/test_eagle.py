@@ -178,6 +178,7 @@ def eagle_config(root):
             "num_tree_nodes": 6, "adaptive": False}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("params_name", list(BOTH))
 def test_sampling_from_eagle_trees_matches_the_target(vocab8_eagle, params_name, monkeypatch):
     p_value, stats = chi_square_p(vocab8_eagle, eagle_config(vocab8_eagle), BOTH[params_name], monkeypatch)
@@ -185,6 +186,7 @@ def test_sampling_from_eagle_trees_matches_the_target(vocab8_eagle, params_name,
     assert p_value > 1e-3
 
 
+@pytest.mark.slow
 def test_negative_control_fails(vocab8_eagle, monkeypatch):
     monkeypatch.setattr(verify_module, "verify_trees", per_tree(correction_from_p))
     p_value, _ = chi_square_p(vocab8_eagle, eagle_config(vocab8_eagle), rejection(PARAMS["t1"]), monkeypatch)

@@ -54,6 +54,7 @@ SPEC_CONFIGS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("quantization", QUANTIZATIONS)
 @pytest.mark.parametrize("batch", [1, 8])
 @pytest.mark.parametrize("method", list(SPEC_CONFIGS))
@@ -129,6 +130,7 @@ def _bundled():
     return DEFAULT_TARGET_DIR, DEFAULT_DRAFT_DIR
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_drafts", [1, 2])
 def test_bundled_pair_greedy_is_exact(num_drafts):
     from specdecode.bench.workloads import load_workload

@@ -119,6 +119,7 @@ def test_adaptive_lookahead_stays_exact(vocab8):
         assert got.outputs[0].token_ids == want.outputs[0].token_ids
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("params_name", list(BOTH))
 def test_sampling_with_lookahead_matches_the_target(vocab8, params_name, monkeypatch):
     p_value, stats = chi_square_p(vocab8, lookahead_config(), BOTH[params_name], monkeypatch)
@@ -126,6 +127,7 @@ def test_sampling_with_lookahead_matches_the_target(vocab8, params_name, monkeyp
     assert p_value > 1e-3
 
 
+@pytest.mark.slow
 def test_negative_control_fails(vocab8, monkeypatch):
     monkeypatch.setattr(verify_module, "verify_trees", per_tree(correction_from_p))
     monkeypatch.setattr(verify_module, "verify_chains", chains_by(correction_from_p))

@@ -157,6 +157,7 @@ CASES = {  # name: (speculative_config, sampling parameters, sampler)
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_speculative_sampling_matches_target_distribution(vocab8, case):
     config, params_name, sampler = CASES[case]
@@ -214,6 +215,7 @@ class MixedProposer:
         pass
 
 
+@pytest.mark.slow
 def test_one_step_mixes_greedy_and_sampled_rows_chains_trees_and_lengths(vocab8):
     """Each step verifies greedy and sampled rows, chains (through the batched chain verifier) and trees (node by
     node), of different lengths, together; every sampled row must still follow the target."""
@@ -234,6 +236,7 @@ def wrong_verify_chains_without_residual(p, q, tokens, lengths, u_accept, u_draw
     return n_matches, sample_rows(p[rows, n_matches], u_draw[rows, n_matches])
 
 
+@pytest.mark.slow
 def test_negative_control_wrong_verifier_is_detected(vocab8, monkeypatch):
     monkeypatch.setattr(verify_module, "verify_chains", wrong_verify_chains_without_residual)
     params = rejection(PARAMS["t1"])
@@ -247,6 +250,7 @@ def wrong_race_with_uniform_clocks(probs, keys, positions):
     return (probs.double() / u).masked_fill(~(probs > 0), -1.0).argmax(-1)
 
 
+@pytest.mark.slow
 def test_negative_control_wrong_race_is_detected(vocab8, monkeypatch):
     monkeypatch.setattr(verify_module, "race_tokens", wrong_race_with_uniform_clocks)
     params = PARAMS["t1"]

@@ -82,6 +82,7 @@ def test_tree_comes_from_the_recorded_accuracies(vocab8_medusa):
     assert llm.spec_config.tree_size == 6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("params_name", list(BOTH))
 def test_sampling_from_medusa_trees_matches_the_target(vocab8_medusa, params_name, monkeypatch):
     p_value, stats = chi_square_p(vocab8_medusa, medusa_config(vocab8_medusa), BOTH[params_name], monkeypatch)
@@ -89,6 +90,7 @@ def test_sampling_from_medusa_trees_matches_the_target(vocab8_medusa, params_nam
     assert p_value > 1e-3
 
 
+@pytest.mark.slow
 def test_negative_control_fails(vocab8_medusa, monkeypatch):
     monkeypatch.setattr(verify_module, "verify_trees", per_tree(correction_from_p))
     p_value, _ = chi_square_p(vocab8_medusa, medusa_config(vocab8_medusa), rejection(PARAMS["t0.7_top_p0.9"]), monkeypatch)

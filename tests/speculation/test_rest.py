@@ -166,6 +166,7 @@ def rest_config(root):
     return {"method": "rest", "model": str(root / "ds"), "num_speculative_tokens": 2, "num_tree_nodes": 4}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("params_name", list(BOTH))
 def test_sampling_from_rest_trees_matches_the_target(vocab8_rest, params_name, monkeypatch):
     p_value, stats = chi_square_p(vocab8_rest, rest_config(vocab8_rest), BOTH[params_name], monkeypatch)
@@ -173,6 +174,7 @@ def test_sampling_from_rest_trees_matches_the_target(vocab8_rest, params_name, m
     assert p_value > 1e-3
 
 
+@pytest.mark.slow
 def test_negative_control_fails(vocab8_rest, monkeypatch):
     monkeypatch.setattr(verify_module, "verify_trees", per_tree(correction_from_p))
     monkeypatch.setattr(verify_module, "verify_chains", chains_by(correction_from_p))

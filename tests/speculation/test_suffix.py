@@ -171,6 +171,7 @@ def vocab8_suffix(k: int) -> dict:
     return {"method": "suffix", "num_speculative_tokens": k, "num_tree_nodes": 2 * k, "suffix_min_prob": 0.05}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("params_name", list(BOTH))
 def test_sampling_from_suffix_trees_matches_the_target(params_name, monkeypatch, tmp_path_factory):
     """8,000 requests of one prompt in one batch: each drafts from what the others (and it) emitted so far."""
@@ -188,6 +189,7 @@ def certify_pair(tmp_path_factory):
     return make_pair(tmp_path_factory.mktemp("certify_suffix"), target_sharpness=3.0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("params", [{"temperature": 1.0}, {"temperature": 0.7, "top_p": 0.9}])
 def test_certify_passes(certify_pair, params):
     """certify (tests/certify's pair, its target only) at T=1 and T=0.7/top-p 0.9, prefix caching on."""

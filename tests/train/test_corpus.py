@@ -72,6 +72,7 @@ def _held_out_ids(count):
     return [i for i in ids if sharegpt.is_heldout(i)][:count]
 
 
+@pytest.mark.slow
 def test_trainers_read_a_corpus_and_its_heldout_split(tiny_models, tmp_path, monkeypatch):
     """A corpus is training data: each example is the prompt's ids then the target's answer, with exactly the
     positions whose next token the target generated marked; `--split heldout` answers only held-out
