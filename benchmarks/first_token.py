@@ -1,5 +1,5 @@
 """Seconds from starting a command to its first byte of output (with `generate --chat`: the first token) and to its
-exit, over several runs: the README's start-up figures.
+exit, over several runs (start-up figures).
 
     python benchmarks/first_token.py --runs 3 -- specdecode generate "What is the capital of France?" --chat --threads 1
 """

@@ -1,5 +1,5 @@
 """The CPU linear kernels a decoder could use, on the weight shapes of a real checkpoint: the evidence behind
-model/linear.py's backend choice and the int8 decision (README, Speed).
+model/linear.py's backend choice and the int8 decision (docs/speed.md).
 
 For every kernel: the time to multiply M tokens by all the layer matrices of the model (q/k/v and gate/up
 stacked, as the decoder holds them) plus the output head, for M in 1, 4, 8, 9, 16; interleaved rounds, the

@@ -32,7 +32,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
     """'auto' means bfloat16 on CUDA and on CPUs with native bfloat16 dot products (avx512_bf16 or AMX), where
-    it decodes ~1.7x faster than float32 (README, Speed); float32 on other CPUs."""
+    it decodes ~1.7x faster than float32 (docs/speed.md); float32 on other CPUs."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
