@@ -216,11 +216,11 @@ DRAFT_VOCAB = 65536
 """A quantized draft whose vocabulary is over twice this drafts only tokens with ids below it. A draft's output head
 is a large share of its step (Qwen2.5-Coder-0.5B: 151,936 x 896 in Q8_0, 144 of the 394 MB a step reads), and
 byte-level BPE vocabularies number their tokens in merge order, most frequent first: the first 32,768 ids cover
-92-97% of the 1.5B's greedy answers to four code prompts, 65,536 nearly all. Measured on two code prompts (the
-1.5B with the 0.5B drafting 4, one thread, Zen 4): whole head 1.11x / 1.11x plain, 64k rows 1.14x / 1.16x, 32k
-rows 1.08x / 1.14x (acceptance 75% -> 62% on the first). A token the draft cannot propose only ends that chain
-early; the verifier, which sees every token, keeps the output exactly the target's (sampled drafts: q is 0 beyond
-the head, a valid draft distribution)."""
+92-97% of the 1.5B's greedy answers to four code prompts, and 94% / 98% of stdlib Python (json, email, asyncio)
+for 32,768 / 65,536 ids. Measured on two code prompts (the 1.5B with the 0.5B drafting 4, one thread, Zen 4): whole
+head 1.11x / 1.11x plain, 64k rows 1.14x / 1.16x, 32k rows 1.08x / 1.14x (acceptance 75% -> 62% on the first). A
+token the draft cannot propose only ends that chain early; the verifier, which sees every token, keeps the output
+exactly the target's (sampled drafts: q is 0 beyond the head, a valid draft distribution)."""
 
 
 def draft_head(head, rows: int):
