@@ -208,7 +208,7 @@ def plan_memory(model_dir: str | Path, budget: int, max_model_len: int | None, m
     target = model_memory(config, itemsize, kv_itemsize, packed, tensor_parallel_size, tree + 2,
                           quantized_bytes_per_weight(Path(model_dir), quantization))
     draft = Memory(0)
-    counted = speculative.method_info.draft_memory if speculative is not None else None
+    counted = speculative.method_info.memory(speculative) if speculative is not None else None
     if counted is not None:
         extra = tree + 2 + speculative.method_info.cache_margin(speculative)  # the proposer's own cache rows
         if counted == "decoder":  # a draft checkpoint: block-quantized beside a block-quantized target (as shipped

@@ -14,7 +14,7 @@ from specdecode.cli.types import (SEED, SPECULATIVE_TOKENS, TEMPERATURE, THREADS
                                   int_range)
 from specdecode.errors import ConfigError
 from specdecode.speculation import methods
-from specdecode.speculation.config import with_shipped_speculator
+from specdecode.speculation.config import DRAFT_KINDS, with_shipped_speculator
 
 
 def add_model_args(p, dtype: str = "auto", adaptive: bool = True) -> None:
@@ -156,7 +156,7 @@ def speculative_config(args, default: dict | None = None) -> dict | None:
                               "the target's tokenizer)")
         if args.num_drafts is not None:
             config["num_drafts"] = args.num_drafts
-    elif kind in ("speculator", "datastore") and args.num_drafts is None:
+    elif kind in ("speculator", "datastore", "draft or datastore") and args.num_drafts is None:
         if args.speculative_model is not None:  # (else resolve_models fills in the shipped speculator, if any)
             config["model"] = str(args.speculative_model)
     elif args.speculative_model is not None or args.num_drafts is not None:
@@ -177,10 +177,12 @@ def _check_speculative_model(method: str, path: Path) -> None:
     """Refuse a --speculative-model that cannot be what the method needs, before any model loads."""
     kind = methods.get(method).model
     if is_name(path):
-        if kind != "draft":
+        if kind not in DRAFT_KINDS:
             raise ConfigError(f"--speculative-model {path}: a model name is a draft for --speculative-method "
-                              f"draft_model, not for {method}; pass a directory")
+                              f"draft_model or auto, not for {method}; pass a directory")
         return  # fetched and checked by the catalog (with_shipped_speculator)
+    if kind == "draft or datastore":  # auto: a datastore joins as rest, anything else as a draft
+        kind = "datastore" if (path / "datastore.json").is_file() else "draft"
     if kind == "draft":
         gguf = path.suffix == ".gguf" and path.is_file() or path.is_dir() and any(path.glob("*.gguf"))
         if not gguf and not (path / "config.json").is_file():

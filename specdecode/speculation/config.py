@@ -8,6 +8,8 @@ from pathlib import Path
 from specdecode.errors import ConfigError
 from specdecode.speculation import methods
 
+DRAFT_KINDS = ("draft", "draft or datastore")
+"""Method.model kinds whose "model" may be a draft checkpoint (a catalog name is fetched as one)."""
 MAX_SPECULATIVE_TOKENS = 64
 """The most draft levels a step may verify (deeper drafts never pay, and start-up times every depth)."""
 
@@ -20,7 +22,8 @@ class SpeculativeConfig:
     """A registered method's name (speculation/methods.py)."""
     model: str | None = None
     """Draft checkpoint directory (draft_model), speculator directory (eagle, medusa; default: the one shipped
-    for the named model) or datastore directory (rest; default: the named model's, built on first use)."""
+    for the named model) or datastore directory (rest; default: the named model's, built on first use); auto: a
+    draft checkpoint or a datastore, which then joins its sources."""
     num_speculative_tokens: int = 5
     """Draft tokens per chain per step (K); eagle and medusa: the deepest tree level."""
     num_drafts: int = 1
@@ -49,8 +52,8 @@ class SpeculativeConfig:
     suffix_spec_factor: float = 1.0
     """suffix: draft levels per matched token at most (a short match drafts little)."""
     auto_sources: list[str] | None = None
-    """auto: the methods whose trees it merges (default ngram and suffix, and rest when "model" names a
-    datastore)."""
+    """auto: the methods whose trees it merges (default ngram and suffix, and draft_model or rest when "model"
+    names a draft checkpoint or a datastore)."""
     disable_by_batch_size: int | None = None
     """Stop speculating when this many sequences run at once."""
     adaptive: bool = True
@@ -70,7 +73,8 @@ class SpeculativeConfig:
             raise ConfigError(f"adaptive must be true or false, got {self.adaptive!r}")
         if method.model_required and not self.model:
             what = {"draft": "the draft checkpoint directory", "speculator": f"a speculator directory written by "
-                    f"`specdecode train {self.method}`", "datastore": "a datastore directory"}[method.model]
+                    f"`specdecode train {self.method}`", "datastore": "a datastore directory",
+                    "draft or datastore": "a draft checkpoint or a datastore directory"}[method.model]
             raise ConfigError(f'the {self.method} method needs "model" (--speculative-model): {what}')
         if not isinstance(self.lookahead_ngram, int) or self.lookahead_ngram < 2:
             raise ConfigError(f"lookahead_ngram (N) must be an integer >= 2, got {self.lookahead_ngram!r}")
@@ -147,7 +151,7 @@ def with_shipped_speculator(raw: "dict | SpeculativeConfig | None", model: str |
     if raw is None:
         return raw
     kind = methods.get(method or "draft_model").model
-    if kind == "draft" and is_name(given):
+    if kind in DRAFT_KINDS and is_name(given):
         path = resolve(str(given))
     elif given or kind not in ("draft", "speculator"):
         return raw

@@ -68,7 +68,8 @@ class Method:
     model: str | None = None
     """What speculative_config["model"] names: "draft" (a checkpoint of a small model), "speculator" (a directory
     of heads written by `specdecode train NAME`, its config.json's "kind" = NAME), "datastore" (a directory with
-    datastore.json) or None (the method needs none)."""
+    datastore.json), "draft or datastore" (either, told apart by datastore.json: auto) or None (the method needs
+    none)."""
     model_required: bool = False
     """Whether the config must name a model (a shipped one is filled in for named targets first)."""
     options: tuple[str, ...] = ()
@@ -79,9 +80,10 @@ class Method:
     """Tree nodes per drafted level (what the controller's costs are measured for)."""
     pass_nodes: Callable[[Any, int], int] | None = None
     """Nodes one sequence adds to the target pass when it drafts k levels (default nodes_per_level * k)."""
-    draft_memory: str | None = None
+    draft_memory: str | Callable[[Any], str | None] | None = None
     """What the capacity plan counts for the proposer: "decoder" (the draft checkpoint: weights and KV cache),
-    "heads" (the speculator's heads and, for EAGLE, one layer's KV cache) or None (nothing worth counting)."""
+    "heads" (the speculator's heads and, for EAGLE, one layer's KV cache) or None (nothing worth counting); or a
+    callable of the config that says which (see memory())."""
     cache_margin: Callable[[Any], int] = lambda config: 0
     """Positions its own cache holds per row beyond the target's (drafts in flight)."""
     trainer: str | None = None
@@ -90,6 +92,10 @@ class Method:
     """For methods whose trees the step may rewrite (Proposer.trees_rewritable): the longest run of tokens a
     structured request's grammar forces that a step drafts (free: accepted with probability one), when longer than
     the method's own trees; the caches keep room for it."""
+
+    def memory(self, config) -> str | None:
+        """draft_memory for a config (a callable decides by what "model" names)."""
+        return self.draft_memory(config) if callable(self.draft_memory) else self.draft_memory
 
     def nodes(self, config, k: int) -> int:
         if self.pass_nodes is not None:

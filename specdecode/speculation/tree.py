@@ -130,6 +130,8 @@ class DraftTree:
     confidence: int = 0
     """The proposer's own coarse class of how sure its guess is (prompt lookup and suffix decoding: the length of
     the match it continues); a combining proposer (auto) learns acceptance per class. 0 = none given."""
+    node_confidence: tuple[int, ...] | None = None
+    """[n] a class per node instead (the draft model: how likely it found each token), or None: `confidence`."""
 
     def __post_init__(self):
         if isinstance(self.parents, torch.Tensor):

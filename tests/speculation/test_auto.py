@@ -1,6 +1,8 @@
 """`auto`: the sources' trees merged into one trie, nodes valued by learned per-source acceptance and cut by the
 measured pass costs; greedy output identical to plain decoding, sampling lossless (chi-square, with a negative
 control), per-source counts in /metrics, and clear errors for sources it cannot combine."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -22,6 +24,7 @@ class Fixed:
     """A source that always proposes the same tree."""
 
     trees_rewritable = True
+    draft_network = None
 
     def __init__(self, tokens, parents):
         self.tree = DraftTree(torch.tensor(tokens), tuple(parents))
@@ -194,6 +197,62 @@ def test_adaptive_auto_shapes_its_own_trees_and_stays_exact(tiny_models, plain_a
     assert not ngram.controller.delegated
 
 
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_draft_model_joins_the_tree_and_stays_exact(tiny_models, plain_answers, batch):
+    """"model" naming a draft checkpoint makes the draft model a source beside prompt lookup and suffix decoding:
+    greedy output is plain decoding's, the draft's nodes are accepted (it is a near copy of the target), and its
+    cache follows whatever path the target took, whichever source guessed it."""
+    prompts, greedy, plain = plain_answers
+    llm = LLM(str(tiny_models["target"]), dtype="float32", max_num_seqs=batch,
+              speculative_config={"method": "auto", "model": str(tiny_models["draft"]), "num_speculative_tokens": 4,
+                                  "adaptive": False})
+    assert llm.proposer.names == ["draft_model", "ngram", "suffix"]
+    assert llm.proposer.draft_network is llm.proposer.drafter.model
+    for _ in range(2):
+        for prompt, want, got in zip(prompts, plain, llm.generate(prompts, greedy)):
+            assert got.outputs[0].token_ids == want.outputs[0].token_ids, prompt
+    proposed, accepted = llm.proposer.counts["draft_model"]
+    assert accepted > 0.5 * proposed > 0, llm.proposer.counts
+
+
+def test_a_draft_model_in_auto_samples_exactly_with_a_seed(tiny_models):
+    """Seeded sampling gives the same tokens with and without speculation (one-hot guesses verified exactly)."""
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=32, ignore_eos=True)
+    prompts = ["def add(a, b):", "class Point:"]
+    plain = LLM(str(tiny_models["target"]), dtype="float32").generate(prompts, params)
+    llm = LLM(str(tiny_models["target"]), dtype="float32", max_num_seqs=2,
+              speculative_config={"method": "auto", "model": str(tiny_models["draft"]), "num_speculative_tokens": 3})
+    for want, got in zip(plain, llm.generate(prompts, params)):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    assert llm.proposer.counts["draft_model"][1] > 0
+
+
+def test_the_draft_cache_follows_the_committed_tokens(tiny_models):
+    """A draft whose chain was not the path the target took keeps only the nodes whose tokens were committed:
+    after a step where another source's guess won, its next drafts are what a fresh draft model would draft."""
+    from specdecode.speculation.config import SpeculativeConfig, build_proposer
+    from specdecode.model.loading import load_model
+    from specdecode.model.tokenizer import Tokenizer
+
+    target = load_model(tiny_models["target"], dtype="float32")
+    config = SpeculativeConfig(method="draft_model", model=str(tiny_models["draft"]), num_speculative_tokens=4)
+    tok = Tokenizer(tiny_models["target"])
+    drafts = [build_proposer(config, target, tok, "float32", "cpu") for _ in range(2)]
+    for proposer in drafts:
+        proposer.ensure_cache(1, 64)
+    seq = SimpleNamespace(request_id="a", token_ids=tok.encode("def add(a, b):"), slot=0,
+                          params=SamplingParams(temperature=0))
+    drafts[0].add([seq])
+    [tree] = drafts[0].propose([seq], [4])
+    chain = tree.tokens.tolist()
+    committed = chain[:2] + [(chain[2] + 1) % 100]  # two of its nodes, then a token it did not guess
+    seq.token_ids += committed
+    drafts[0].observe([seq], [tree], [None])
+    assert drafts[0].draft_len["a"] == len(seq.token_ids) - 1
+    drafts[1].add([seq])
+    assert drafts[0].propose([seq], [4])[0].tokens.tolist() == drafts[1].propose([seq], [4])[0].tokens.tolist()
+
+
 def test_metrics_count_by_source(tiny_models):
     llm = LLM(str(tiny_models["target"]), dtype="float32",
               speculative_config={"method": "auto", "auto_sources": ["ngram"], "adaptive": False})
@@ -209,6 +268,8 @@ def test_metrics_count_by_source(tiny_models):
 
 @pytest.mark.parametrize("sources, message", [
     (["eagle"], "eagle cannot be combined yet"),
+    (["lookahead"], "lookahead cannot be combined yet"),
+    (["draft_model", "ngram"], "draft_model needs \"model\""),
     (["nope"], "'nope' is not a method"),
     (["ngram", "ngram"], "distinct methods"),
     ([], "non-empty list"),

@@ -1,10 +1,10 @@
-"""`auto`: one tree per step from several sources (prompt lookup, suffix decoding across requests, REST retrieval
-when a datastore is given), verified in one target pass.
+"""`auto`: one tree per step from several sources (prompt lookup, suffix decoding across requests, and a draft model
+or REST retrieval when "model" names a draft checkpoint or a datastore), verified in one target pass.
 
 Each source drafts its own tree; the trees are merged into one trie (a token path proposed by two sources is one
 node). Every node is valued by its estimated probability of acceptance given its parent's: for each source that
 proposed it, that source's rate at that depth and for the confidence its tree came with (prompt lookup and suffix
-decoding: how long a match they continue), learned online from what the verifier accepted (engine-wide, so a new
+decoding: how long a match they continue; a draft model: how likely it found each token), learned online from what the verifier accepted (engine-wide, so a new
 request starts from what earlier ones taught, and per request on top of it), combined as the chance that at least
 one source is right. A node's path value is the product along its path: the expected number of tokens it
 adds. The nodes with the highest path values are kept (a parent's is never below its child's, so they form a
@@ -14,24 +14,28 @@ would lower the expected tokens per second of the whole batch's pass (its rows a
 guesses nothing pays for another's nodes too, so all rows are cut to one width).
 
 Drafts are one-hot guesses, whatever their source: greedy output equals plain decoding and sampling stays lossless
-with either sampler (a deterministic guess is verified exactly however it was chosen).
+with either sampler (a deterministic guess is verified exactly however it was chosen). A draft model keeps its own
+cache in step by token, whichever source's path the target accepted (DraftModelProposer.observe), and stops drafting
+deeper where, at the measured costs, one more level of its nodes could not pay for itself.
 """
 from __future__ import annotations
 
 import bisect
 import dataclasses
 import math
+from pathlib import Path
 
 import torch
 
 from specdecode.errors import ConfigError
 from specdecode.speculation import methods
 from specdecode.speculation.methods import FORCED_RUN, Method
-from specdecode.speculation.proposers.base import NO_FEATURES, WithoutDraftCache
+from specdecode.speculation.proposers.base import NO_FEATURES
 from specdecode.speculation.tree import DraftTree
 
 DEFAULT_SOURCES = ("ngram", "suffix")
-"""What `auto` combines without auto_sources (and "rest" too when the config names a datastore)."""
+"""What `auto` combines without auto_sources (and "draft_model" or "rest" too when "model" names a draft checkpoint
+or a datastore)."""
 PRIOR_RATE = 0.8
 """A source's acceptance rate at every depth and confidence before anything is measured: optimistic on purpose, as
 the controller's prior, since a rate is only learned from nodes that are verified."""
@@ -85,7 +89,7 @@ class Rates:
         self.trials[key] += 1.0
 
 
-class AutoProposer(WithoutDraftCache):
+class AutoProposer:
     trees_rewritable = True
     feature_request = NO_FEATURES
 
@@ -109,6 +113,17 @@ class AutoProposer(WithoutDraftCache):
         draft_after = [s for s in self.sources if getattr(s, "draft_after", None) is not None]
         if draft_after:  # a structured request's tree goes on after a forced run through prompt lookup
             self.draft_after = draft_after[0].draft_after
+        networks = [s for s in self.sources if s.draft_network is not None]
+        self.drafter = networks[0] if networks else None
+        """The source that runs a network per level (a draft model), if any."""
+
+    @property
+    def draft_network(self):
+        return self.drafter.draft_network if self.drafter is not None else None
+
+    def ensure_cache(self, slots: int, max_len: int) -> None:
+        for source in self.sources:
+            source.ensure_cache(slots, max_len)
 
     def bind_costs(self, costs) -> None:
         self.costs = costs
@@ -145,6 +160,8 @@ class AutoProposer(WithoutDraftCache):
         return (own.hits[key] + REQUEST_WEIGHT * prior) / (own.trials[key] + REQUEST_WEIGHT)
 
     def propose(self, seqs, budgets: list[int]) -> list[DraftTree]:
+        if self.drafter is not None and self.costs is not None:
+            self.drafter.stop_below = self._level_price(len(seqs))
         per_source = [source.propose(seqs, [min(b, self.max_depth) for b in budgets]) for source in self.sources]
         rows = []  # per row: its merged candidates and the best of them, best first
         for row, (seq, budget) in enumerate(zip(seqs, budgets)):
@@ -181,7 +198,8 @@ class AutoProposer(WithoutDraftCache):
                 if node is None:
                     node = index[(up, tokens[i])] = len(nodes)
                     nodes.append(Candidate(tokens[i], up, depth, []))
-                nodes[node].sources.append(self.rates.at(source, tree.confidence, depth))
+                confidence = tree.node_confidence[i] if tree.node_confidence is not None else tree.confidence
+                nodes[node].sources.append(self.rates.at(source, confidence, depth))
                 mapped.append(node)
         for node in nodes:  # parents come first, so theirs are known
             miss = math.prod(1.0 - self.rate(request_id, key) for key in node.sources)
@@ -215,6 +233,16 @@ class AutoProposer(WithoutDraftCache):
             if rate > best:
                 best_n, best = n, rate
         return best_n
+
+    def _level_price(self, batch: int) -> float:
+        """The probability of being right that a draft model's next level must reach somewhere in the batch to pay:
+        its forward plus one more position per row in the target pass, over the seconds a plain step takes per
+        token. (The draft forward is priced at its start-up calibration times the target's current speed ratio:
+        the controller's own draft-time ratio is learned for full-depth drafts.)"""
+        costs, deepest = self.costs, 1 + self.max_depth
+        level = costs.draft(batch) * costs.target_scale if costs.draft is not None else 0.0
+        wider = (self._pass_time(batch, deepest) - self._pass_time(batch, 1)) / self.max_depth
+        return (level + wider) * batch / self._pass_time(batch, 1)
 
     def _pass_time(self, batch: int, width: int) -> float:
         """Seconds of a step whose target pass has `width` positions per row: the calibrated pass times of the
@@ -261,33 +289,67 @@ class AutoProposer(WithoutDraftCache):
 
 
 def _source_config(config, name: str):
-    """The config a source is built from: auto's own, its method replaced (and only a datastore for rest)."""
+    """The config a source is built from: auto's own, its method replaced ("model" only for the source it names:
+    the draft model or rest's datastore; one chain for a draft)."""
     fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
-    fields.update(method=name, auto_sources=None, model=config.model if name == "rest" else None)
+    fields.update(method=name, auto_sources=None, num_drafts=1,
+                  model=config.model if methods.get(name).model in ("draft", "datastore") else None)
     return type(config)(**fields)
 
 
+def names_datastore(model: str | None) -> bool:
+    """Whether auto's "model" names a REST datastore (a directory with datastore.json), not a draft checkpoint."""
+    return model is not None and (Path(model) / "datastore.json").is_file()
+
+
+def _sources(config) -> list[str]:
+    if config.auto_sources:
+        return list(config.auto_sources)
+    if not config.model:
+        return [*DEFAULT_SOURCES]
+    return [*DEFAULT_SOURCES, "rest"] if names_datastore(config.model) else ["draft_model", *DEFAULT_SOURCES]
+
+
 def _build(config, context) -> AutoProposer:
-    names = list(config.auto_sources) if config.auto_sources else [*DEFAULT_SOURCES] + (["rest"] if config.model
-                                                                                      else [])
-    if config.model and "rest" not in names:
-        raise ConfigError('auto: "model" names a datastore for its rest source; add "rest" to auto_sources or drop '
-                          '"model"')
+    names = _sources(config)
     if len(set(names)) != len(names) or "auto" in names:
         raise ConfigError(f"auto_sources must name distinct methods other than auto, got {names}")
-    sources = {}
     for name in names:
         if name not in methods.names():
-            raise ConfigError(f"auto_sources: {name!r} is not a method; use some of ngram, suffix, rest")
+            raise ConfigError(f"auto_sources: {name!r} is not a method; use some of draft_model, ngram, suffix, rest")
+    wanted = {methods.get(name).model for name in names} & {"draft", "datastore"}
+    if len(wanted) > 1:
+        raise ConfigError('auto: "model" names one thing, a draft checkpoint or a datastore; combine draft_model '
+                          "or rest, not both")
+    given = "datastore" if names_datastore(config.model) else "draft" if config.model else None
+    if wanted and not config.model:
+        raise ConfigError(f'auto_sources {names}: {"rest" if "datastore" in wanted else "draft_model"} needs "model" '
+                          f'(--speculative-model): {"a datastore directory" if "datastore" in wanted else "a draft checkpoint"}')
+    if config.model and given not in wanted:
+        raise ConfigError(f'auto: "model" names a {"datastore" if given == "datastore" else "draft checkpoint"}; '
+                          f'add {"rest" if given == "datastore" else "draft_model"} to auto_sources or drop "model"')
+    sources = {}
+    for name in names:
         refusal = ConfigError(f"auto_sources: {name} cannot be combined yet (auto merges one-hot guesses from "
-                              "proposers that keep no per-tree state: ngram, suffix, rest)")
-        if methods.get(name).model in ("draft", "speculator"):  # (their drafts and caches follow their own trees)
+                              "proposers that read no target features: draft_model, ngram, suffix, rest)")
+        if methods.get(name).model == "speculator":  # (their heads read the target's features)
             raise refusal
         proposer = methods.get(name).build(_source_config(config, name), context)
-        if not getattr(proposer, "trees_rewritable", False) or proposer.feature_request.wanted:
+        follows = getattr(proposer, "trees_rewritable", False) or getattr(proposer, "observes_tokens", False)
+        if not follows or proposer.feature_request.wanted:
             raise refusal
         sources[name] = proposer
     return AutoProposer(sources, config.num_speculative_tokens, config.pass_nodes, config.pass_widths)
+
+
+def _draft_memory(config) -> str | None:
+    """What the capacity plan counts: the draft checkpoint when "model" names one."""
+    return "decoder" if config.model and not names_datastore(config.model) else None
+
+
+def _cache_margin(config) -> int:
+    """A draft model's cache holds its chain in flight beyond the target's rows."""
+    return 2 + config.num_speculative_tokens if _draft_memory(config) else 0
 
 
 def _tree_nodes(config) -> int:
@@ -301,6 +363,7 @@ def _pass_nodes(config, k: int) -> int:
     return math.ceil(_tree_nodes(config) * k / config.num_speculative_tokens)
 
 
-METHOD = Method("auto", _build, model="datastore", options=("auto_sources", "num_tree_nodes"),
+METHOD = Method("auto", _build, model="draft or datastore", options=("auto_sources", "num_tree_nodes"),
+                draft_memory=_draft_memory, cache_margin=_cache_margin,
                 nodes_per_level=lambda config: math.ceil(_tree_nodes(config) / config.num_speculative_tokens),
                 pass_nodes=_pass_nodes, forced_run=FORCED_RUN)

@@ -44,12 +44,20 @@ class _Pending:
 
     tail_len: int
     padded_tail: int
-    depth: int  # tree depth k for this sequence
-    fed_depth: int  # deepest level whose tokens went through the draft model
+    chains: list[list[int]]  # the tokens of each chain, every level drafted (also past the sequence's budget)
+    fed_depth: int  # levels whose tokens went through the draft model (their keys and values are in the cache)
+
+
+CONFIDENCE_EDGES = (0.2, 0.35, 0.5, 0.65, 0.8, 0.9, 0.95, 0.99)
+"""A node's confidence class (DraftTree.node_confidence, what `auto` learns acceptance by) is how many of these its
+draft probability reaches: 0 below 0.2, ..., 8 at 0.99 or more."""
 
 
 class DraftModelProposer:
     feature_request = NO_FEATURES
+    observes_tokens = True
+    """observe() keeps what was committed, matched by token, not by the nodes of the tree it proposed: a combining
+    proposer (auto) may have the target verify another tree in its place."""
 
     @property
     def draft_network(self):
@@ -67,6 +75,9 @@ class DraftModelProposer:
         self.held: dict[int, list[int]] = {}  # slot -> the tokens its rows hold from the request that left it
         self.kept_tokens = 0  # prompt tokens whose draft keys and values a slot held (not prefilled again)
         self.pending: dict[str, _Pending] = {}
+        self.stop_below: float | None = None
+        """When set (by `auto`, from the measured costs), a step stops drafting deeper once every chain's
+        probability under the draft (the product of its nodes') is below this: the next level would not pay."""
 
     def ensure_cache(self, slots: int, max_len: int) -> None:
         extra = 2 + self.config.num_drafts * self.config.num_speculative_tokens
@@ -165,11 +176,15 @@ class DraftModelProposer:
         root_logits = out.logits[torch.arange(B, device=device), (tail_lens - 1).to(device)]  # [B, V]
         tokens, q = self._pick(root_logits, seqs, greedy, width, 0)  # [B, w], [B, w, V]
         level_tokens, level_q = [tokens], [q]
+        level_p = [_token_probs(root_logits, q, tokens)]  # [B, w] each node's probability under the draft
+        chain_p = level_p[0]
         # Level d nodes sit at position length + tail_len + d - 1; each chain sees the real tail and its own nodes.
         base_pos = (self.cache.lengths[slots] + tail_lens).to(device)  # [B]
         tail_visible = (torch.arange(padded_tail)[None, :] < tail_lens[:, None]).to(device)  # [B, Tt]
         own_chain = torch.eye(width, dtype=torch.bool, device=device)
         for depth in range(1, K):
+            if self.stop_below is not None and float(chain_p.max()) < self.stop_below:
+                break
             mask = torch.cat([tail_visible[:, None, :].expand(B, width, padded_tail),
                               own_chain.repeat(1, depth)[None].expand(B, width, width * depth)], dim=2)
             positions = (base_pos + depth - 1)[:, None].expand(B, width)
@@ -178,29 +193,43 @@ class DraftModelProposer:
             tokens, q = self._pick(out.logits, seqs, greedy, width, depth)
             level_tokens.append(tokens)
             level_q.append(q)
+            level_p.append(_token_probs(out.logits, q, tokens))
+            chain_p = chain_p * level_p[-1]
+        K = len(level_tokens)
         all_tokens = torch.stack(level_tokens, dim=2).cpu()  # [B, w, K]
+        all_p = torch.stack(level_p, dim=2).cpu()  # [B, w, K]
         all_q = None if greedy else torch.stack(level_q, dim=2)  # [B, w, K, V] (V: the draft head's rows)
         if all_q is not None and all_q.shape[-1] < self.vocab_size:  # tokens the head leaves out: q = 0
             all_q = torch.nn.functional.pad(all_q, (0, self.vocab_size - all_q.shape[-1]))
+        classes = torch.bucketize(all_p, torch.tensor(CONFIDENCE_EDGES, dtype=all_p.dtype), right=True)
         trees = []
         for b, seq in enumerate(seqs):
             k = min(budgets[b], K)
             parents = [-1 if d == 0 else c * k + d - 1 for c in range(width) for d in range(k)]
             probs = None if all_q is None else all_q[b, :, :k].reshape(width * k, -1)
-            trees.append(DraftTree(all_tokens[b, :, :k].reshape(-1), tuple(parents), probs))
-            self.pending[seq.request_id] = _Pending(int(tail_lens[b]), padded_tail, k, K - 1)
+            trees.append(DraftTree(all_tokens[b, :, :k].reshape(-1), tuple(parents), probs,
+                                   node_confidence=tuple(classes[b, :, :k].reshape(-1).tolist())))
+            self.pending[seq.request_id] = _Pending(int(tail_lens[b]), padded_tail, all_tokens[b].tolist(), K - 1)
         return trees
 
     def observe(self, seqs, trees, results) -> None:
-        """Keep in the draft cache the real tail and the accepted nodes the draft has processed."""
+        """Keep in the draft cache the real tail and the drafted nodes the target committed. Matched by token, not
+        by the verifier's node indices: a node's keys and values are right exactly when every token on its path
+        is what was committed, whichever tree the target verified (under `auto` a merged one) and whichever
+        source guessed the tokens; the rest are caught up on as the next step's tail."""
         rows, kept, n_kept = [], [], []
         width = self.config.num_drafts
-        for seq, result in zip(seqs, results):
+        for seq in seqs:
             info = self.pending.pop(seq.request_id, None)
             if info is None:
                 continue
-            chain = result.accepted[0] // info.depth if result.accepted else 0
-            fed = min(len(result.accepted), info.fed_depth)
+            # the step's tokens but the new pending one, which the next step feeds to get its logits
+            committed = seq.token_ids[self.draft_len[seq.request_id] + info.tail_len:-1]
+            chain, fed = 0, 0
+            for c, tokens in enumerate(info.chains):
+                n = common_prefix(tokens[:info.fed_depth], committed)
+                if n > fed:
+                    chain, fed = c, n
             offsets = list(range(info.tail_len)) + [info.padded_tail + width * d + chain for d in range(fed)]
             rows.append(seq.slot)
             kept.append(offsets)
@@ -210,6 +239,17 @@ class DraftModelProposer:
             A = max(n_kept)
             kept_t = torch.tensor([k + [k[-1]] * (A - len(k)) for k in kept])  # pad by repeating the last offset
             self.cache.commit(torch.tensor(rows), kept_t, torch.tensor(n_kept))
+
+
+def _token_probs(logits: torch.Tensor, q: torch.Tensor | None, tokens: torch.Tensor) -> torch.Tensor:
+    """[B, w] the draft probability of each drafted token: from q when the tokens were sampled from it, else the
+    softmax of the logits ([B, V] at the root, [B, w, V] deeper)."""
+    if q is not None:
+        return q.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).float()
+    probs = logits.float().softmax(-1)
+    if probs.dim() == 2:
+        return probs.gather(-1, tokens)
+    return probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
 DRAFT_VOCAB = 65536
