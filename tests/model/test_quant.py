@@ -11,7 +11,7 @@ from specdecode.errors import ConfigError
 from specdecode.model.digest import weights_digest
 from specdecode.model.loading import load_model
 from specdecode.model.quant import (BLOCKS, FORMATS, QUANTIZE_FORMATS, QuantEmbedding, QuantLinear, dequantize,
-                                    kernels, quantize, quantized_format, row_bytes)
+                                    kernels, lighten, quantize, quantized_format, row_bytes)
 
 from .gguf_files import kernel_rounded, random_blocks, tiny_model, write_gguf
 
@@ -123,6 +123,22 @@ def test_a_stack_of_parts_in_different_formats():
         QuantLinear(parts, 512, 41)
     with pytest.raises(ConfigError, match="rows of 288 bytes"):
         QuantLinear(("q4_k", weights("q4_k", 2, 256, 0)), 512, 2)
+
+
+def test_lighten_requantizes_only_the_heavier_parts():
+    """A draft's matrices in more than 4.5 bits per weight become Q4_0 (the rest stay as they are), a module at a
+    time, with the same weights to Q4_0's precision."""
+    parts = [("q4_k", weights("q4_k", 8, 512, 1)), ("q8_0", weights("q8_0", 8, 512, 2))]
+    model = nn.Sequential(QuantLinear(parts, 512, 16), QuantLinear(("q4_0", weights("q4_0", 4, 512, 3)), 512, 4))
+    before = [m.weight.clone() for m in model]
+    kept = model[1]
+    lighten(model)
+    assert model[0].formats == ["q4_k", "q4_0"] and model[1] is kept
+    assert torch.equal(model[0].qweights[0], parts[0][1])
+    assert model[0].bytes_read() < sum(kernels().pack(q, FORMATS[f], 512).numel() for f, q in parts)
+    scale = before[0][8:].abs().amax(dim=1, keepdim=True)  # Q4_0 steps by 1/8 of a block's largest value
+    assert ((model[0].weight[8:] - before[0][8:]).abs() <= scale / 8 + 1e-6).all()
+    assert torch.equal(model[0].weight[:8], before[0][:8])
 
 
 def test_bad_weights_are_refused():

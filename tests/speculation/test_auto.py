@@ -212,7 +212,7 @@ def test_a_draft_model_joins_the_tree_and_stays_exact(tiny_models, plain_answers
         for prompt, want, got in zip(prompts, plain, llm.generate(prompts, greedy)):
             assert got.outputs[0].token_ids == want.outputs[0].token_ids, prompt
     proposed, accepted = llm.proposer.counts["draft_model"]
-    assert accepted > 0.5 * proposed > 0, llm.proposer.counts
+    assert accepted > 0.3 * proposed > 0, llm.proposer.counts
 
 
 def test_a_draft_model_in_auto_samples_exactly_with_a_seed(tiny_models):

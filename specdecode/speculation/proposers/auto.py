@@ -47,6 +47,10 @@ DECAY = 0.995
 """Per step, the share of the engine-wide evidence kept (the text moves on)."""
 REQUEST_DECAY = 0.95
 """Per step, the share of a request's own evidence kept."""
+PRIOR_DRAFT_YIELD = 2.0
+"""Accepted draft-model nodes per drafted row assumed before any are measured."""
+YIELD_RATE = 0.1
+"""Weight of each drafted row in the running mean of the drafter's yield."""
 MIN_VALUE = 0.02
 """Nodes whose path value (expected tokens added) is below this are not verified."""
 
@@ -115,7 +119,10 @@ class AutoProposer:
             self.draft_after = draft_after[0].draft_after
         networks = [s for s in self.sources if s.draft_network is not None]
         self.drafter = networks[0] if networks else None
-        """The source that runs a network per level (a draft model), if any."""
+        """The source that runs a network per level (a draft model), if any: asked only for rows where the free
+        sources' tree is expected to add fewer tokens than its drafts lately did (draft_yield)."""
+        self.draft_yield = PRIOR_DRAFT_YIELD
+        """Running mean of the drafter's nodes accepted per row it drafted for."""
 
     @property
     def draft_network(self):
@@ -160,12 +167,19 @@ class AutoProposer:
         return (own.hits[key] + REQUEST_WEIGHT * prior) / (own.trials[key] + REQUEST_WEIGHT)
 
     def propose(self, seqs, budgets: list[int]) -> list[DraftTree]:
-        if self.drafter is not None and self.costs is not None:
-            self.drafter.stop_below = self._level_price(len(seqs))
-        per_source = [source.propose(seqs, [min(b, self.max_depth) for b in budgets]) for source in self.sources]
+        budgets = [min(b, self.max_depth) for b in budgets]
+        per_source = [None if source is self.drafter else source.propose(seqs, budgets) for source in self.sources]
+        if self.drafter is not None:  # after the free sources: a row they serve as well as the draft would is not drafted
+            at = self.sources.index(self.drafter)
+            free = [[DraftTree.empty() if trees_of is None else trees_of[row] for trees_of in per_source]
+                    for row in range(len(seqs))]
+            wanted = [b if b > 0 and self._expected(self._merge(seq.request_id, free[row], b), b) < self.draft_yield
+                      else 0 for row, (seq, b) in enumerate(zip(seqs, budgets))]
+            self.drafter.deeper = self._deeper if self.costs is not None else None
+            per_source[at] = self.drafter.propose(seqs, wanted)
         rows = []  # per row: its merged candidates and the best of them, best first
         for row, (seq, budget) in enumerate(zip(seqs, budgets)):
-            k = min(budget, self.max_depth)
+            k = budget
             if k <= 0:
                 rows.append(([], []))
                 continue
@@ -206,6 +220,10 @@ class AutoProposer:
             node.value = (1.0 - miss) * (nodes[node.parent].value if node.parent >= 0 else 1.0)
         return nodes
 
+    def _expected(self, nodes: list[Candidate], k: int) -> float:
+        """Tokens a k-level tree of these candidates is expected to add (its best nodes' values summed)."""
+        return sum(nodes[i].value for i in self._best(nodes, self.pass_nodes(k)))
+
     @staticmethod
     def _best(nodes: list[Candidate], most: int) -> list[int]:
         """Indices of the most valuable nodes, best first: at most `most`, each worth MIN_VALUE or more. (A node's
@@ -234,15 +252,17 @@ class AutoProposer:
                 best_n, best = n, rate
         return best_n
 
-    def _level_price(self, batch: int) -> float:
-        """The probability of being right that a draft model's next level must reach somewhere in the batch to pay:
-        its forward plus one more position per row in the target pass, over the seconds a plain step takes per
-        token. (The draft forward is priced at its start-up calibration times the target's current speed ratio:
-        the controller's own draft-time ratio is learned for full-depth drafts.)"""
-        costs, deepest = self.costs, 1 + self.max_depth
+    def _deeper(self, batch: int, levels: int, expected: float, gain: float) -> bool:
+        """Whether a draft model's next level pays: `levels` drafted so far are expected to give `expected` tokens
+        (the batch's committed ones included) and one more would add `gain`; it pays when the tokens per second of
+        the step rise, each level costing one draft forward and one more position per row in the target pass.
+        (The draft forward is priced at its start-up calibration times the target's current speed ratio: the
+        controller's own draft-time ratio is learned for full-depth drafts.)"""
+        costs = self.costs
         level = costs.draft(batch) * costs.target_scale if costs.draft is not None else 0.0
-        wider = (self._pass_time(batch, deepest) - self._pass_time(batch, 1)) / self.max_depth
-        return (level + wider) * batch / self._pass_time(batch, 1)
+        now = self._pass_time(batch, 1 + levels) + levels * level
+        more = self._pass_time(batch, 2 + levels) + (levels + 1) * level
+        return (expected + gain) * now > expected * more
 
     def _pass_time(self, batch: int, width: int) -> float:
         """Seconds of a step whose target pass has `width` positions per row: the calibrated pass times of the
@@ -273,6 +293,12 @@ class AutoProposer:
             if not kept or [c.token for c in kept] != tree.tokens.tolist():
                 continue  # nothing drafted, or the step verified another tree (a structured request's)
             accepted = set(result.accepted)
+            if self.drafter is not None:
+                drafter = self.sources.index(self.drafter)
+                mine = [i for i, node in enumerate(kept)
+                        if any(key // (CLASSES * self.max_depth) == drafter for key in node.sources)]
+                if mine:
+                    self.draft_yield += YIELD_RATE * (len(accepted.intersection(mine)) - self.draft_yield)
             for i, node in enumerate(kept):
                 if node.parent >= 0 and node.parent not in accepted:
                     continue  # its parent was rejected: it was never tried

@@ -75,9 +75,10 @@ class DraftModelProposer:
         self.held: dict[int, list[int]] = {}  # slot -> the tokens its rows hold from the request that left it
         self.kept_tokens = 0  # prompt tokens whose draft keys and values a slot held (not prefilled again)
         self.pending: dict[str, _Pending] = {}
-        self.stop_below: float | None = None
-        """When set (by `auto`, from the measured costs), a step stops drafting deeper once every chain's
-        probability under the draft (the product of its nodes') is below this: the next level would not pay."""
+        self.deeper = None
+        """When set (by `auto`, from the measured costs): deeper(batch, levels, expected, gain) says whether one more
+        level pays, given the tokens the drafted levels are expected to give (counting each row's committed one)
+        and what the next level is expected to add; the draft's own probabilities estimate both."""
 
     def ensure_cache(self, slots: int, max_len: int) -> None:
         extra = 2 + self.config.num_drafts * self.config.num_speculative_tokens
@@ -177,14 +178,17 @@ class DraftModelProposer:
         tokens, q = self._pick(root_logits, seqs, greedy, width, 0)  # [B, w], [B, w, V]
         level_tokens, level_q = [tokens], [q]
         level_p = [_token_probs(root_logits, q, tokens)]  # [B, w] each node's probability under the draft
-        chain_p = level_p[0]
+        chain_p = level_p[0]  # [B, w] each chain's probability so far
+        expected = B + float(chain_p.max(1).values.sum())
         # Level d nodes sit at position length + tail_len + d - 1; each chain sees the real tail and its own nodes.
         base_pos = (self.cache.lengths[slots] + tail_lens).to(device)  # [B]
         tail_visible = (torch.arange(padded_tail)[None, :] < tail_lens[:, None]).to(device)  # [B, Tt]
         own_chain = torch.eye(width, dtype=torch.bool, device=device)
         for depth in range(1, K):
-            if self.stop_below is not None and float(chain_p.max()) < self.stop_below:
-                break
+            if self.deeper is not None:  # the next level guessed as likely as the last, given the chain so far
+                gain = float((chain_p * level_p[-1]).max(1).values.sum())
+                if not self.deeper(B, depth, expected, gain):
+                    break
             mask = torch.cat([tail_visible[:, None, :].expand(B, width, padded_tail),
                               own_chain.repeat(1, depth)[None].expand(B, width, width * depth)], dim=2)
             positions = (base_pos + depth - 1)[:, None].expand(B, width)
@@ -195,6 +199,7 @@ class DraftModelProposer:
             level_q.append(q)
             level_p.append(_token_probs(out.logits, q, tokens))
             chain_p = chain_p * level_p[-1]
+            expected += float(chain_p.max(1).values.sum())
         K = len(level_tokens)
         all_tokens = torch.stack(level_tokens, dim=2).cpu()  # [B, w, K]
         all_p = torch.stack(level_p, dim=2).cpu()  # [B, w, K]
@@ -282,7 +287,7 @@ def _build(config, context) -> DraftModelProposer:
 
     from specdecode.model.gguf import find_gguf
     from specdecode.model.loading import load_model, read_config
-    from specdecode.model.quant import speculator_format
+    from specdecode.model.quant import lighten, speculator_format
     from specdecode.model.tokenizer import Tokenizer
     from specdecode.speculation.compat import check_compatible
 
@@ -297,8 +302,11 @@ def _build(config, context) -> DraftModelProposer:
         quantization = "gguf"
     draft = load_model(draft_dir, dtype=context.dtype, device=context.device, quantization=quantization)
     vocab = DRAFT_VOCAB if quantization is not None and draft_cfg.vocab_size > 2 * DRAFT_VOCAB else None
-    return DraftModelProposer(DraftModelConfig(str(draft_dir), config.num_speculative_tokens, config.num_drafts,
-                                               vocab), draft)
+    proposer = DraftModelProposer(DraftModelConfig(str(draft_dir), config.num_speculative_tokens, config.num_drafts,
+                                                   vocab), draft)
+    if quantization == "gguf":  # a GGUF draft's heavier matrices (Q5_0, Q8_0, Q6_K, ...) in Q4_0: a cheaper step
+        lighten(draft)
+    return proposer
 
 
 METHOD = Method("draft_model", _build, model="draft", model_required=True, options=("num_drafts",),
