@@ -1,13 +1,14 @@
-"""Every `from specdecode... import name` in the package, its benchmark scripts and docs/layers.py names something
-that exists, including the imports inside functions that only run on some paths (a renamed module or a moved
-function breaks no other test there)."""
+"""Every `from specdecode... import name` in the package, the scripts kept beside their records in docs/bench/ and
+docs/layers.py names something that exists, including the imports inside functions that only run on some paths (a
+renamed module or a moved function breaks no other test there)."""
 import ast
 import importlib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "specdecode"
-SOURCES = [*sorted(PACKAGE.rglob("*.py")), *sorted((ROOT / "benchmarks").glob("*.py")), ROOT / "docs" / "layers.py"]
+SOURCES = [*sorted(PACKAGE.rglob("*.py")), *sorted((ROOT / "docs" / "bench").rglob("*.py")),
+           ROOT / "docs" / "layers.py"]
 
 
 def package_imports():

@@ -18,7 +18,7 @@ import json
 import sysconfig
 from pathlib import Path
 
-from specdecode.bench.workloads import WORKLOAD_DIR, _functions, heldout_sources
+from specdecode.bench.workloads import WORKLOAD_DIR, _functions, heldout_files, heldout_sources
 
 NAME = "agentic_edit"
 PATH = WORKLOAD_DIR / f"{NAME}.json"
@@ -71,10 +71,7 @@ def load(limit: int | None = None) -> list[dict]:
 
 
 def main() -> None:
-    from specdecode.catalog import MODELS_DIR
-
-    heldout = json.loads((MODELS_DIR / "heldout.json").read_text())
-    requests = build(heldout["files"], Path(sysconfig.get_paths()["stdlib"]))
+    requests = build(heldout_files(), Path(sysconfig.get_paths()["stdlib"]))
     PATH.write_text(json.dumps({"workload": NAME, "turns_per_session": TURNS, "categories": {NAME: requests}},
                                indent=1))
     print(f"{NAME}: {len(requests)} requests ({len(requests) // TURNS} sessions of {TURNS})")

@@ -1,11 +1,12 @@
-"""Benchmark workloads, built from the held-out standard-library files (never seen in training).
+"""Benchmark workloads for models without a chat template, built from a fixed list of standard-library files
+(workloads/heldout.json: the files a hash of their path holds out, the split `specdecode train lm` makes).
 
 - completion: the code before a function and its first lines; the model continues the function.
 - grounded_edit: a function, then an instruction to rewrite it and the start of the rewrite; the answer copies
   much of the prompt (the case prompt lookup is made for).
 - docstring: a function signature and an opened docstring; free-form prose.
 
-`python -m specdecode.bench.workloads` regenerates the shipped workloads/*.json from the held-out list.
+`python -m specdecode.bench.workloads` regenerates the shipped workloads/*.json from that list.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ WORKLOAD_DIR = Path(__file__).resolve().parent / "workloads"
 WORKLOADS = ("completion", "grounded_edit", "docstring")
 PROMPTS_PER_WORKLOAD = 16
 MAX_PROMPT_CHARS = 900
-"""Keeps prompt + 128 generated tokens inside the bundled models' 512-token context."""
+"""Keeps prompt + 128 generated tokens inside a 512-token context."""
 
 
 def load_workload(name: str, limit: int | None = None) -> list[str]:
@@ -28,6 +29,11 @@ def load_workload(name: str, limit: int | None = None) -> list[str]:
         raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
     prompts = json.loads(path.read_text())["prompts"]
     return prompts[:limit] if limit else prompts
+
+
+def heldout_files() -> list[str]:
+    """The standard-library files the workloads are built from, relative to the stdlib folder."""
+    return json.loads((WORKLOAD_DIR / "heldout.json").read_text())["files"]
 
 
 def _functions(source: str) -> list[tuple[int, int, ast.FunctionDef]]:
@@ -73,12 +79,8 @@ def build_prompts(heldout_files: list[str], corpus: Path) -> dict[str, list[str]
 
 
 def main() -> None:
-    from specdecode.catalog import MODELS_DIR
-
-    heldout = json.loads((MODELS_DIR / "heldout.json").read_text())
     corpus = Path(sysconfig.get_paths()["stdlib"])
-    WORKLOAD_DIR.mkdir(exist_ok=True)
-    for name, prompts in build_prompts(heldout["files"], corpus).items():
+    for name, prompts in build_prompts(heldout_files(), corpus).items():
         (WORKLOAD_DIR / f"{name}.json").write_text(json.dumps({"workload": name, "prompts": prompts}, indent=1))
         print(f"{name}: {len(prompts)} prompts")
 

@@ -52,7 +52,7 @@ def register(sub) -> None:
                    help='JSON {"categories": {name: [{"messages": [...]}, ...]}} instead of held-out ShareGPT')
     p.add_argument("--stdlib-workloads", action="store_true",
                    help="instead: the code workloads from held-out standard-library files as raw prompts (completion, "
-                        "grounded_edit, docstring), for models without a chat template (specdecode/catalog/target)")
+                        "grounded_edit, docstring), for models without a chat template")
     p.add_argument("--categories", default=",".join(CATEGORIES), help=f"comma-separated, from {', '.join(CATEGORIES)}")
     p.add_argument("--methods", default=None,
                    help="comma-separated speculative methods (default: all this model has speculators for: "

@@ -1,15 +1,28 @@
-"""`specdecode train tokenizer | lm | distill | all` and `specdecode eval`."""
+"""`specdecode train STAGE`: speculators for a target (corpus, features, eagle, medusa, draft) and, from scratch on
+a folder of text, a tokenizer, a small target and a draft distilled from it (tokenizer, lm, distill)."""
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
-import shlex
-import sys
+import time
 from pathlib import Path
 
 from specdecode.cli.types import POSITIVE, SEED, THREADS, float_range, int_list, int_range
-from specdecode.train import loop, recipe
+from specdecode.train import loop
+
+# torch and the trainers are imported where they are used: `specdecode --help` reads these defaults.
+SEQ_LEN = 512
+TARGET_SHAPE = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=6, num_attention_heads=8)
+"""`train lm`: ~23.5M parameters with tied embeddings and an 8,192-token vocabulary."""
+DRAFT_SHAPE = dict(hidden_size=192, intermediate_size=640, num_hidden_layers=2, num_attention_heads=4)
+"""`train distill`: ~2.6M parameters (< 1/8 of the target); two layers, so that it can learn to copy from its
+context."""
+TARGET_TRAIN = loop.TrainConfig(steps=800, batch_size=2, seq_len=SEQ_LEN, lr=1.5e-3, warmup_steps=40, seed=0,
+                                checkpoint_every=25)
+DRAFT_TRAIN = loop.TrainConfig(steps=600, batch_size=2, seq_len=SEQ_LEN, lr=2e-3, warmup_steps=30, seed=1,
+                               checkpoint_every=25)
+DISTILL_CE_WEIGHT = 0.1
 
 
 def _add_train_config(parser: argparse.ArgumentParser, defaults: loop.TrainConfig) -> None:
@@ -65,9 +78,13 @@ def _split(args):
 
 def cmd_tokenizer(args) -> int:
     _set_threads(args)
+    from specdecode.train.tokenizer import save_tokenizer, train_bpe
+
     train_docs, _ = _split(args)
-    seconds = recipe.run_tokenizer_stage(train_docs, args.out, args.vocab_size, args.model_max_length)
-    print(f"tokenizer trained on {len(train_docs)} files in {seconds:.1f}s -> {args.out}")
+    started = time.time()
+    save_tokenizer(train_bpe((d.text for d in train_docs), vocab_size=args.vocab_size), args.out,
+                   model_max_length=args.model_max_length)
+    print(f"tokenizer trained on {len(train_docs)} files in {time.time() - started:.1f}s -> {args.out}")
     return 0
 
 
@@ -83,59 +100,30 @@ def _train_tokens(args, tokenizer_dir: Path):
 
 def cmd_lm(args) -> int:
     _set_threads(args)
+    from specdecode.train import lm
+
     tokens = _train_tokens(args, args.tokenizer)
     cfg = _train_config(args)
-    config = recipe.model_config(_shape(args, recipe.TARGET_SHAPE), args.tokenizer, cfg.seq_len)
-    model, summary = recipe.run_lm_stage(config, tokens, cfg, args.run_dir / "lm", args.resume)
-    recipe.export(model, args.tokenizer, args.out)
-    print(json.dumps({"parameters": recipe.param_count(model), **summary}))
+    config = lm.model_config(_shape(args, TARGET_SHAPE), args.tokenizer, cfg.seq_len)
+    model, summary = lm.pretrain(config, tokens, cfg, args.run_dir / "lm", args.resume)
+    lm.export(model, args.tokenizer, args.out)
+    print(json.dumps({"parameters": lm.param_count(model), **summary}))
     return 0
 
 
 def cmd_distill(args) -> int:
     _set_threads(args)
     from specdecode.model.loading import load_model
+    from specdecode.train import lm
+    from specdecode.train.distill import distill
 
     tokens = _train_tokens(args, args.target)
     cfg = _train_config(args)
     target = load_model(args.target, dtype="float32", device="cpu")
-    config = recipe.model_config(_shape(args, recipe.DRAFT_SHAPE), args.target, cfg.seq_len)
-    draft, summary = recipe.run_distill_stage(target, config, tokens, cfg, args.run_dir / "distill", args.resume,
-                                              args.ce_weight)
-    recipe.export(draft, args.target, args.out)
-    print(json.dumps({"parameters": recipe.param_count(draft), **summary}))
-    return 0
-
-
-def cmd_all(args) -> int:
-    _set_threads(args)
-    # The command that reproduces the artifacts; --resume only says how it was run this time.
-    argv = [a for a in sys.argv[1:] if a != "--resume"]
-    command = "specdecode " + " ".join(shlex.quote(a) for a in argv) if argv else ""
-    stages = recipe.run_all(args.out, args.run_dir, args.corpus, args.resume, args.heldout_fraction,
-                            eval_tokens=args.eval_tokens, command=command,
-                            pattern=args.pattern)
-    print(json.dumps(stages["eval"], indent=2))
-    return 0
-
-
-def cmd_eval(args) -> int:
-    _set_threads(args)
-    from specdecode.model.loading import load_model
-    from specdecode.model.tokenizer import Tokenizer
-    from specdecode.train import data
-    from specdecode.train.evaluate import evaluate
-
-    listing = data.load_heldout_list(args.heldout)
-    corpus = Path(args.corpus or listing["corpus"])
-    docs = [data.Document(rel, (corpus / rel).read_text(encoding="utf-8")) for rel in listing["files"]]
-    target = load_model(args.target, dtype="float32", device="cpu")
-    draft = load_model(args.draft, dtype="float32", device="cpu") if args.draft else None
-    figures = evaluate(target, draft, Tokenizer(args.target), docs, max_tokens=args.max_tokens,
-                       seq_len=args.seq_len, prompts=args.prompts, new_tokens=args.new_tokens)
-    print(json.dumps(figures, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
+    config = lm.model_config(_shape(args, DRAFT_SHAPE), args.target, cfg.seq_len)
+    draft, summary = distill(target, config, tokens, cfg, args.run_dir / "distill", args.resume, args.ce_weight)
+    lm.export(draft, args.target, args.out)
+    print(json.dumps({"parameters": lm.param_count(draft), **summary}))
     return 0
 
 
@@ -176,8 +164,6 @@ def _head_command(kind: str):
 
 
 def register(sub) -> None:
-    from specdecode.catalog import DEFAULT_DRAFT_DIR, DEFAULT_TARGET_DIR
-
     train = sub.add_parser("train", help="train speculators (eagle, medusa, draft from cached features), a tokenizer, "
                                          "a target model or a distilled draft")
     stages = train.add_subparsers(dest="stage", required=True, metavar="STAGE")
@@ -185,8 +171,8 @@ def register(sub) -> None:
     p = stages.add_parser("tokenizer", help="train a byte-level BPE tokenizer on a folder of text")
     _corpus_arg(p)
     p.add_argument("--out", type=Path, required=True, help="output folder for tokenizer.json and its configs")
-    p.add_argument("--vocab-size", type=POSITIVE, default=recipe.VOCAB_SIZE)
-    p.add_argument("--model-max-length", type=POSITIVE, default=recipe.SEQ_LEN)
+    p.add_argument("--vocab-size", type=POSITIVE, default=8192)
+    p.add_argument("--model-max-length", type=POSITIVE, default=SEQ_LEN)
     p.set_defaults(func=cmd_tokenizer)
 
     p = stages.add_parser("lm", help="pretrain a Llama-architecture model with next-token cross-entropy")
@@ -195,8 +181,8 @@ def register(sub) -> None:
     p.add_argument("--run-dir", type=Path, required=True, help="checkpoints, logs and the token cache go here")
     p.add_argument("--out", type=Path, required=True, help="Hugging Face folder for the trained model")
     p.add_argument("--resume", action="store_true", help="continue from the run folder's last checkpoint")
-    _add_shape(p, recipe.TARGET_SHAPE)
-    _add_train_config(p, recipe.TARGET_TRAIN)
+    _add_shape(p, TARGET_SHAPE)
+    _add_train_config(p, TARGET_TRAIN)
     p.set_defaults(func=cmd_lm)
 
     p = stages.add_parser("distill", help="distil a small draft model from a target (KL to its distributions)")
@@ -205,19 +191,11 @@ def register(sub) -> None:
     p.add_argument("--run-dir", type=Path, required=True, help="checkpoints, logs and the token cache go here")
     p.add_argument("--out", type=Path, required=True, help="Hugging Face folder for the draft")
     p.add_argument("--resume", action="store_true", help="continue from the run folder's last checkpoint")
-    p.add_argument("--ce-weight", type=float_range(0.0, 1e6), default=recipe.DISTILL_CE_WEIGHT,
+    p.add_argument("--ce-weight", type=float_range(0.0, 1e6), default=DISTILL_CE_WEIGHT,
                    help="weight of cross-entropy on the data mixed into the KL loss")
-    _add_shape(p, recipe.DRAFT_SHAPE)
-    _add_train_config(p, recipe.DRAFT_TRAIN)
+    _add_shape(p, DRAFT_SHAPE)
+    _add_train_config(p, DRAFT_TRAIN)
     p.set_defaults(func=cmd_distill)
-
-    p = stages.add_parser("all", help="the whole recipe of the bundled models, then evaluation and model card")
-    _corpus_arg(p)
-    p.add_argument("--out", type=Path, default=DEFAULT_TARGET_DIR.parent, help="where target/, draft/ go")
-    p.add_argument("--run-dir", type=Path, default=Path("runs/recipe"), help="checkpoints and logs")
-    p.add_argument("--resume", action="store_true", help="reuse finished stages, continue the interrupted one")
-    p.add_argument("--eval-tokens", type=POSITIVE, default=131072, help="held-out tokens scored by the evaluation")
-    p.set_defaults(func=cmd_all)
 
     p = stages.add_parser("features", help="cache a frozen target's features on conversations (for eagle, "
                                            "medusa and draft training)")
@@ -290,17 +268,3 @@ def register(sub) -> None:
                        help="bfloat16 autocast (this CPU's bf16 dot products); --no-bf16 for float32")
         _threads_arg(p)
         p.set_defaults(func=_head_command(kind))
-
-    p = sub.add_parser("eval", help="held-out loss of a target and how well a draft predicts it")
-    p.add_argument("--target", type=Path, default=DEFAULT_TARGET_DIR)
-    p.add_argument("--draft", type=Path, default=DEFAULT_DRAFT_DIR, help="draft folder ('' for target only)")
-    p.add_argument("--heldout", type=Path, default=DEFAULT_TARGET_DIR.parent / "heldout.json",
-                   help="held-out file list written by `specdecode train all`")
-    p.add_argument("--corpus", type=Path, default=None, help="corpus root (default: the one in the list)")
-    p.add_argument("--max-tokens", type=POSITIVE, default=131072, help="held-out tokens to score")
-    p.add_argument("--seq-len", type=POSITIVE, default=recipe.SEQ_LEN)
-    p.add_argument("--prompts", type=POSITIVE, default=64, help="prompts for the greedy-agreement measurement")
-    p.add_argument("--new-tokens", type=POSITIVE, default=64, help="greedy tokens generated per prompt")
-    p.add_argument("--json", type=Path, default=None, help="also write the figures to this file")
-    _threads_arg(p)
-    p.set_defaults(func=cmd_eval)

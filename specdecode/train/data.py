@@ -6,7 +6,6 @@ path relative to the corpus root, so it does not depend on file order, the machi
 from __future__ import annotations
 
 import hashlib
-import json
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,21 +68,6 @@ def split_documents(docs: list[Document], heldout_fraction: float = 0.05) -> tup
     train = [d for d in docs if not is_heldout(d.path, heldout_fraction)]
     heldout = [d for d in docs if is_heldout(d.path, heldout_fraction)]
     return train, heldout
-
-
-def save_heldout_list(path: Path, corpus_root: Path, heldout: list[Document], heldout_fraction: float) -> None:
-    path.write_text(json.dumps({
-        "corpus": str(corpus_root),
-        "rule": f"sha256(relative path)[:8] / 2**64 < {heldout_fraction}",
-        "heldout_fraction": heldout_fraction,
-        "files": [d.path for d in heldout],
-    }, indent=1) + "\n")
-
-
-def load_heldout_list(path: Path) -> dict:
-    if not Path(path).is_file():
-        raise ConfigError(f"{path} is missing; it is written by `specdecode train all` next to the models")
-    return json.loads(Path(path).read_text())
 
 
 def token_cache_path(folder: Path, tokenizer_dir: Path, docs: list[Document]) -> Path:

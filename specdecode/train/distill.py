@@ -1,15 +1,21 @@
-"""Distilling a draft model from a target: forward KL(p_target || q_draft) on the target's full next-token
-distributions at temperature 1, optionally mixed with a little cross-entropy on the data.
+"""Distilling a draft model from a target on a text corpus (`specdecode train distill`): forward
+KL(p_target || q_draft) on the target's full next-token distributions at temperature 1, optionally mixed with a
+little cross-entropy on the data.
 
 Forward KL makes the draft cover the target's probability mass, which is what the acceptance rate of
 speculative sampling, sum_x min(p, q) = 1 - TV(p, q), rewards.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 
+from specdecode.model.config import ModelConfig
 from specdecode.model.llama import LlamaForCausalLM
+from specdecode.train import loop
+from specdecode.train.lm import init_model
 
 
 def kl_to_target(target_logits: torch.Tensor, draft_logits: torch.Tensor) -> torch.Tensor:
@@ -35,3 +41,12 @@ def make_distill_loss(target: LlamaForCausalLM, ce_weight: float = 0.0):
         return loss, {"kl": kl.item(), "ce": ce.item()}
 
     return loss_fn
+
+
+def distill(target: LlamaForCausalLM, config: ModelConfig, tokens, cfg: loop.TrainConfig, run_dir: Path,
+            resume: bool, ce_weight: float) -> tuple[LlamaForCausalLM, dict]:
+    """Train a fresh draft of this config towards the target on random windows of tokens; (draft, summary)."""
+    draft = init_model(config, cfg.seed)
+    loss_fn = make_distill_loss(target, ce_weight=ce_weight)
+    summary = loop.train(draft, loss_fn, tokens, cfg, run_dir, resume=resume, desc="draft")
+    return draft, summary

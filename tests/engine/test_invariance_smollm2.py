@@ -1,8 +1,8 @@
 """On the real model in its default configuration (quantization and dtype "auto": Q4_1/Q8_0 weights through the
 fused kernels where they build), every method gives plain decoding's answer: greedy and seeded sampled (the race),
-alone and sharing a batch with other requests. benchmarks/invariance.py measures the same on 100 held-out prompts x
-128 tokens at batch 1, 8 and 32 with adaptive speculation (docs/bench/invariance); here K is fixed at 3, so that
-every step drafts."""
+alone and sharing a batch with other requests. docs/bench/invariance/invariance.py measured the same on 100
+held-out prompts x 128 tokens at batch 1, 8 and 32 with adaptive speculation (docs/bench/invariance); here K is
+fixed at 3, so that every step drafts."""
 import pytest
 
 from specdecode.engine.llm import LLM

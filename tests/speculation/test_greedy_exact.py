@@ -120,28 +120,3 @@ def test_bad_speculative_config_is_refused(tiny_models):
         LLM(str(tiny_models["target"]), dtype="float32", speculative_config={"method": "mtp"})
     with pytest.raises(ConfigError, match="needs \"model\""):
         LLM(str(tiny_models["target"]), dtype="float32", speculative_config={"method": "draft_model"})
-
-
-def _bundled():
-    from specdecode.catalog import DEFAULT_DRAFT_DIR, DEFAULT_TARGET_DIR
-
-    if not (DEFAULT_TARGET_DIR / "model.safetensors").is_file():
-        pytest.skip("the bundled models are not trained yet (specdecode train all)")
-    return DEFAULT_TARGET_DIR, DEFAULT_DRAFT_DIR
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("num_drafts", [1, 2])
-def test_bundled_pair_greedy_is_exact(num_drafts):
-    from specdecode.bench.workloads import load_workload
-
-    target, draft = _bundled()
-    code_prompts = (load_workload("completion") + load_workload("docstring") + load_workload("grounded_edit"))[:50]
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    plain = LLM(str(target), dtype="float32", max_num_seqs=8).generate(code_prompts, params)
-    spec = LLM(str(target), dtype="float32", max_num_seqs=8,
-               speculative_config={"model": str(draft), "num_speculative_tokens": 4, "num_drafts": num_drafts,
-                                   "adaptive": False})
-    outputs = spec.generate(code_prompts, params)
-    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in plain]
-    assert spec.total_stats.accepted_tokens > 0

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from specdecode.model.tokenizer import Tokenizer
-from specdecode.train import data, loop, recipe
+from specdecode.train import data, loop
 from specdecode.train.distill import kl_to_target, make_distill_loss
-from specdecode.train.lm import cross_entropy_loss, init_model
+from specdecode.train.lm import cross_entropy_loss, init_model, model_config
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
 TINIER = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
@@ -19,7 +19,7 @@ def tokens(tiny_corpus, tiny_tokenizer):
 
 
 def config(tokenizer_dir, shape=TINY):
-    return recipe.model_config(shape, tokenizer_dir, 64)
+    return model_config(shape, tokenizer_dir, 64)
 
 
 def test_pretraining_lowers_the_loss(tokens, tiny_tokenizer, tmp_path):
@@ -101,24 +101,3 @@ def test_distillation_brings_the_draft_closer_to_the_target(tokens, tiny_tokeniz
                loop.TrainConfig(steps=30, batch_size=4, seq_len=32, lr=1e-2, warmup_steps=2, seed=1), tmp_path / "d")
     assert kl_now() < 0.7 * before
     assert all(p.grad is None for p in target.parameters())  # the teacher is frozen
-
-
-def test_whole_recipe_exports_loadable_models_and_a_model_card(tiny_corpus, tmp_path):
-    from specdecode.model.loading import load_model
-
-    kwargs = dict(heldout_fraction=0.3, vocab_size=350, eval_tokens=256, target_shape=TINY, draft_shape=TINIER,
-                  target_train=loop.TrainConfig(steps=4, batch_size=2, seq_len=32, warmup_steps=1),
-                  draft_train=loop.TrainConfig(steps=4, batch_size=2, seq_len=32, warmup_steps=1, seed=1))
-    stages = recipe.run_all(tmp_path / "out", tmp_path / "run", tiny_corpus, resume=False, **kwargs)
-    out = tmp_path / "out"
-    for name in ("target", "draft"):
-        assert load_model(out / name, dtype="float32").dtype == torch.float32
-        config = json.loads((out / name / "config.json").read_text())
-        assert config["torch_dtype"] == "bfloat16" and config["max_position_embeddings"] == 32
-        assert config["bos_token_id"] == 1 and config["eos_token_id"] == 2
-    heldout = json.loads((out / "heldout.json").read_text())["files"]
-    assert heldout and stages["tokenizer"]["heldout_files"] == len(heldout)
-    card = (out / "MODEL_CARD.md").read_text()
-    assert "specdecode train all" in card and str(stages["eval"]["target_loss"]) in card
-    again = recipe.run_all(out, tmp_path / "run", tiny_corpus, resume=True, **kwargs)  # every stage reused
-    assert again == stages

@@ -1,7 +1,8 @@
+# Record: how docs/bench/speed_profile.md was made: python docs/bench/profile_step.py --model /path/to/SmolLM2 --dtype bfloat16 --out docs/bench/speed_profile.md
 """Where the time of one plain decode step goes: torch.profiler over cached one-token forwards, by operator,
 plus the step timed against its linear layers alone (interleaved, fastest of several rounds).
 
-    python benchmarks/profile_step.py --model DIR [--dtype bfloat16] [--quantization gguf] [--context 100] [--clock cpu]
+    python docs/bench/profile_step.py --model DIR [--dtype bfloat16] [--quantization gguf] [--context 100] [--clock cpu]
 """
 from __future__ import annotations
 

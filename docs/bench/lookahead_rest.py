@@ -1,3 +1,4 @@
+# Record: how the Lookahead / REST table of docs/methods.md was made: python docs/bench/lookahead_rest.py --prompts 8 --max-tokens 128 --threads 1
 """Lookahead, REST, prompt lookup and the shipped speculators vs plain decoding on held-out ShareGPT, adaptive
 (the default) and fixed K.
 
@@ -7,7 +8,7 @@ gives (the held-out assistant answer), which a model answers largely from its in
 engine decodes each prompt in turn (plain first), so machine load hits all alike; speedups are ratios of summed
 wall times in this run.
 
-    python benchmarks/lookahead_rest.py --prompts 10 --max-tokens 128 --threads 1
+    python docs/bench/lookahead_rest.py --prompts 10 --max-tokens 128 --threads 1
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ GROUNDED = ["Rewrite the following text in simpler words, keeping everything it 
 
 def heldout_prompts(tokenizer, n: int, max_prompt_tokens: int) -> dict[str, list[list[int]]]:
     """{workload: chat-templated prompt ids} from held-out conversations in hash order (as
-    benchmarks/heldout_speculators.py takes them)."""
+    docs/bench/speculators/heldout_speculators.py takes them)."""
     _, heldout = sharegpt.split(sharegpt.load_conversations(sharegpt.fetch(quiet=True)))
     prompts: dict[str, list[list[int]]] = {"chat": [], "grounded": []}
     for conv in speculators.hash_order(heldout):

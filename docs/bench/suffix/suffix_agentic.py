@@ -1,10 +1,11 @@
+# Record: how agentic_edit.json and README.md here (docs/methods.md) was made: python docs/bench/suffix/suffix_agentic.py --threads 1 --auto --out docs/bench/suffix/agentic_edit.json
 """Suffix decoding against plain decoding and prompt lookup on the agentic edit-loop workload
 (specdecode/bench/agentic_workload.py): greedy, batch 1, the requests in order through one engine per method, so
 the suffix tree warms across requests. Each request runs on every engine in turn (the order rotating per request),
 so a change of load on the machine hits all engines alike; speeds are only compared as ratios within the run. The
 greedy outputs must be identical across engines (they are the same tokens, so the ratios compare equal work).
 
-    python benchmarks/suffix_agentic.py --threads 1 --out docs/bench/suffix/agentic_edit.json
+    python docs/bench/suffix/suffix_agentic.py --threads 1 --out docs/bench/suffix/agentic_edit.json
 """
 from __future__ import annotations
 

@@ -1,3 +1,4 @@
+# Record: how prefix_cache.json and its plot here (docs/serving.md) were made: python docs/bench/prefix_cache/prefix_cache.py --turns 10 --answer-tokens 32 --system-tokens 1000 --requests 16 --batch 8 --max-tokens 16 --repeats 1 --out docs/bench/prefix_cache
 """Prefix caching on SmolLM2 (default configuration), on against off in one run:
 
 1. a 10-turn chat replay: a held-out ShareGPT conversation's user turns, each answered by the model (greedy, up to
@@ -7,7 +8,7 @@
 
 The two settings alternate run by run (--repeats each), so machine load hits both alike. Writes JSON and a plot.
 
-    python benchmarks/prefix_cache.py --out docs/bench/prefix_cache
+    python docs/bench/prefix_cache/prefix_cache.py --out docs/bench/prefix_cache
 """
 from __future__ import annotations
 

@@ -1,3 +1,4 @@
+# Record: how docs/bench/speed_kernels.md (docs/speed.md) was made: python docs/bench/linear_kernels.py --model /path/to/SmolLM2 --clock cpu --out docs/bench/speed_kernels.md
 """The CPU linear kernels a decoder could use, on the weight shapes of a real checkpoint: the evidence behind
 model/linear.py's backend choice and the int8 decision (docs/speed.md).
 
@@ -5,7 +6,7 @@ For every kernel: the time to multiply M tokens by all the layer matrices of the
 stacked, as the decoder holds them) plus the output head, for M in 1, 4, 8, 9, 16; interleaved rounds, the
 fastest counts; time by the calling thread's CPU clock (--clock cpu, for a shared machine) or the wall clock.
 
-    python benchmarks/linear_kernels.py --model DIR [--clock cpu] [--out docs/bench/speed_kernels.md]
+    python docs/bench/linear_kernels.py --model DIR [--clock cpu] [--out docs/bench/speed_kernels.md]
 """
 from __future__ import annotations
 

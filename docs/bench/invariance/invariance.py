@@ -1,3 +1,4 @@
+# Record: how invariance.json here (docs/exactness.md) was made: python docs/bench/invariance/invariance.py --prompts 100 --max-tokens 128 --out docs/bench/invariance/invariance.json
 """The same answer at any batch and with any speculation: every method's outputs at batch 1, 8 and 32 against plain
 decoding alone, on held-out ShareGPT first turns, in the default configuration (LLM()'s defaults: quantization and
 dtype "auto", adaptive speculation).
@@ -9,7 +10,7 @@ seeded), and every answer is compared token by token with its reference. End of 
 has --max-tokens tokens. The JSON is rewritten after each cell and a rerun with the same --out skips the cells it
 holds, so a stopped run resumes.
 
-    python benchmarks/invariance.py --prompts 100 --max-tokens 128 --out docs/bench/invariance/invariance.json
+    python docs/bench/invariance/invariance.py --prompts 100 --max-tokens 128 --out docs/bench/invariance/invariance.json
 """
 from __future__ import annotations
 
@@ -23,12 +24,26 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).parent))
-from heldout_speculators import heldout_prompts  # noqa: E402
-
-from specdecode import LLM, SamplingParams  # noqa: E402
+from specdecode import LLM, SamplingParams
+from specdecode.catalog import sharegpt
+from specdecode.train import speculators
 
 METHODS = ["plain", "ngram", "eagle", "medusa", "draft_model", "lookahead", "rest"]
+
+
+def heldout_prompts(tokenizer, n: int, max_prompt_tokens: int) -> list[list[int]]:
+    """The first user turn of held-out conversations (hash order), in the chat template, as token ids (the same as
+    docs/bench/speculators/heldout_speculators.py's)."""
+    _, heldout = sharegpt.split(sharegpt.load_conversations(sharegpt.fetch(quiet=True)))
+    prompts = []
+    for conv in speculators.hash_order(heldout):
+        text, _ = sharegpt.first_turn_prompt(conv, tokenizer)
+        ids = tokenizer.encode(text)
+        if len(ids) <= max_prompt_tokens:
+            prompts.append(ids)
+        if len(prompts) == n:
+            break
+    return prompts
 
 
 def params_for(index: int, seeded: bool, max_tokens: int) -> SamplingParams:

@@ -1,9 +1,10 @@
+# Record: how heldout_*.json here (docs/exactness.md, docs/training.md) were made, e.g. python docs/bench/speculators/heldout_speculators.py --prompts 8 --max-tokens 96 --temperature 1.0 --k 4 --method ngram --method eagle
 """Trained speculators on held-out ShareGPT first turns: tokens per target pass and speedup over plain decoding.
 
 Every method decodes the same chat-templated prompts as plain decoding, batch 1, interleaved prompt by prompt
 (plain, then each method), so machine load hits all alike; speedups are ratios of summed wall times in this run.
 
-    python benchmarks/heldout_speculators.py --prompts 20 --max-tokens 128 --threads 1 \
+    python docs/bench/speculators/heldout_speculators.py --prompts 20 --max-tokens 128 --threads 1 \
         --method eagle=runs/eagle-head --method medusa=runs/medusa-head --method draft_model=runs/draft
 """
 from __future__ import annotations

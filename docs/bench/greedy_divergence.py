@@ -1,3 +1,4 @@
+# Record: how docs/bench/speed_divergence_{bfloat16,float32}.json (docs/exactness.md) were made: python docs/bench/greedy_divergence.py --model /path/to/SmolLM2 --dtype bfloat16 --out docs/bench/speed_divergence_bfloat16.json
 """How often greedy speculative decoding (prompt lookup, `ngram`) gives other tokens than greedy plain decoding,
 in a given dtype: verifying K+1 tokens and decoding one run the matrix products with other shapes, so their
 reduced-precision roundings differ and a near-tie between two tokens can flip.
@@ -5,7 +6,7 @@ reduced-precision roundings differ and a near-tie between two tokens can flip.
 Prompts: chat-templated requests about real code, the source of functions from Python's standard library
 (deterministic for a given Python version). Batch 1, up to --tokens tokens each (EOS ends both the same way).
 
-    python benchmarks/greedy_divergence.py --model DIR --dtype bfloat16 [--prompts 200] [--tokens 128]
+    python docs/bench/greedy_divergence.py --model DIR --dtype bfloat16 [--prompts 200] [--tokens 128]
 """
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
+# Record: how ablations.json, ablations.md and ablations.png here were made: python docs/bench/speculators/speculator_ablations.py --add "NAME=runs/HEAD" --table docs/bench/speculators/ablations.json
 """The speculator-training ablations in one table and one plot: held-out top-1 / top-5 per depth (or head) of each
 trained head, read from the training.json its run wrote.
 
-    python benchmarks/speculator_ablations.py --add "8k vocabulary=runs/eagle-v8k-head" \
+    python docs/bench/speculators/speculator_ablations.py --add "8k vocabulary=runs/eagle-v8k-head" \
         --table docs/bench/speculators/ablations.json
 
 `--add NAME=DIR` records (or replaces) that head's figures in the table file; the table file then renders as

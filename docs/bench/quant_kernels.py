@@ -1,10 +1,11 @@
+# Record: how the quantized-kernel figures of docs/bench/speed_kernels.md were made: python docs/bench/quant_kernels.py --model FILE.gguf --against OLD.so
 """The block-quantized kernels (kernels/quant.cpp) on a GGUF's own matrices: all the model's quantized linears for
 M rows at once (GMAC/s, GB/s of weights), and a whole cached forward of W new tokens after C tokens of context;
 1 thread, the calling thread's CPU clock, fastest of interleaved rounds. One JSON line per figure. With --against,
 another build of the kernels (e.g. an older checkout's, from ~/.cache/specdecode/kernels) runs in the same process
 on the same inputs, round for round alternating with this checkout's: the fair comparison on a shared machine.
 
-    python benchmarks/quant_kernels.py --model FILE.gguf [--ms 1,4,8,16,32,256] [--widths 1,4,8,16] [--context 300]
+    python docs/bench/quant_kernels.py --model FILE.gguf [--ms 1,4,8,16,32,256] [--widths 1,4,8,16] [--context 300]
         [--against OTHER.so]
 """
 from __future__ import annotations

@@ -1,3 +1,4 @@
+# Record: how chunked_prefill.json here (docs/serving.md) was made: python docs/bench/chunked_prefill/chunked_prefill.py --streams 4 --stream-tokens 300 --long-tokens 4000 --repeats 1 --out docs/bench/chunked_prefill
 """Chunked prefill on SmolLM2: the time between tokens of streams that are decoding while a long prompt arrives, with
 chunked prefill on and off (the serving engine, AsyncEngine, without HTTP).
 
@@ -5,7 +6,7 @@ chunked prefill on and off (the serving engine, AsyncEngine, without HTTP).
 produced --warmup tokens, a --long-tokens prompt arrives. Reported per setting: the streams' inter-token latency
 p50 / p99 / max over the whole run, and the long prompt's time to first token. The settings alternate run by run.
 
-    python benchmarks/chunked_prefill.py --out docs/bench/chunked_prefill
+    python docs/bench/chunked_prefill/chunked_prefill.py --out docs/bench/chunked_prefill
 """
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
+# Record: how the JSON files here (docs/serving.md) were made: python docs/bench/structured/structured.py --prompts 100 --k 4 --workload extract --out docs/bench/structured/structured.json
 """Structured output on the real model: schema-valid JSON on a JSON-extraction workload, plain vs speculative
 (interleaved, one thread), and the grammar mask's share of a step.
 
-    python benchmarks/structured.py --prompts 100 --k 4 --workload extract|reformat --out docs/bench/structured/W.json
+    python docs/bench/structured/structured.py --prompts 100 --k 4 --workload extract|reformat --out docs/bench/structured/W.json
 """
 from __future__ import annotations
 

@@ -1,10 +1,11 @@
+# Record: how the batch-64 probe-cost figure of docs/benchmarks.md (2026-11-30) was made: python docs/bench/sharegpt/adaptive_probe_cost.py --batch 64
 """Where adaptive speculation loses at a large batch: the same speculative engine with K forced to 0, adaptive as
 it runs, and plain decoding, on the process's CPU clock (robust to other jobs on a shared machine).
 
 One batch of held-out ShareGPT prompts (their last 128 tokens), greedy, EOS ignored; each mode runs `--repeats`
 times, interleaved; the least CPU time of each counts.
 
-    python benchmarks/adaptive_probe_cost.py --batch 64 --max-tokens 32 --repeats 3
+    python docs/bench/sharegpt/adaptive_probe_cost.py --batch 64 --max-tokens 32 --repeats 3
 """
 from __future__ import annotations
 

@@ -1,10 +1,11 @@
+# Record: how the 2026-11-29 figures against transformers in docs/bench/history_readme_2026-12-04.md were made: python docs/bench/plain_vs_transformers.py --threads 1
 """Plain (non-speculative) decoding speed: specdecode's LLM.generate against transformers' generate().
 
 Both decode the same greedy continuation of the same prompt from the same checkpoint (a random ~30M-parameter Llama,
 or --model), in one process, so machine load affects both alike; transformers in float32, specdecode in --dtype.
-Goal: specdecode >= 1.3x transformers (the speed issue's: float32 >= 1.6x, bfloat16 >= 2.5x; benchmarks/speed.py).
+Goal: specdecode >= 1.3x transformers (the speed issue's: float32 >= 1.6x, bfloat16 >= 2.5x; docs/bench/speed.py).
 
-    python benchmarks/plain_vs_transformers.py [--model DIR] [--dtype float32] [--tokens 128] [--repeats 9] [--threads N]
+    python docs/bench/plain_vs_transformers.py [--model DIR] [--dtype float32] [--tokens 128] [--repeats 9] [--threads N]
 """
 from __future__ import annotations
 
@@ -30,13 +31,8 @@ PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n
 
 
 def tokenizer_dir(workdir: Path, vocab_size: int) -> Path:
-    """The bundled tokenizer if there is one, else a byte-level BPE trained on a few standard-library files."""
-    try:
-        from specdecode.catalog import DEFAULT_TARGET_DIR
-    except ImportError:
-        DEFAULT_TARGET_DIR = None
-    if DEFAULT_TARGET_DIR is not None and (Path(DEFAULT_TARGET_DIR) / "tokenizer.json").is_file():
-        return Path(DEFAULT_TARGET_DIR)
+    """A byte-level BPE trained on a few standard-library files (the 2026-11-29 run used the 8,192-token tokenizer
+    of the pair then shipped in specdecode/catalog/)."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     texts = [p.read_text(errors="replace") for p in sorted(stdlib.glob("*.py"))[:60]]
     out = workdir / "tokenizer"

@@ -1,8 +1,9 @@
+# Record: how docs/bench/speed.md, speed.json and speed.png were made (today: specdecode bench --speed): python docs/bench/speed.py --model /path/to/SmolLM2 --clock cpu
 """Speed of plain decoding and verification per dtype and linear backend, against transformers and the memory
 roofline; cost of a pass over K tokens for K = 1..16; batch-8 throughput. Writes speed.md, speed.json and
 speed.png (default: docs/bench/). The same as `specdecode bench --speed`.
 
-    python benchmarks/speed.py --model /path/to/SmolLM2-135M-Instruct [--tokens 128] [--rounds 3] [--threads 1]
+    python docs/bench/speed.py --model /path/to/SmolLM2-135M-Instruct [--tokens 128] [--rounds 3] [--threads 1]
 """
 from __future__ import annotations
 

@@ -1,10 +1,11 @@
+# Record: how docs/bench/perplexity.md and perplexity.json were made: python docs/bench/perplexity.py --conversations 10 --max-len 256
 """Held-out ShareGPT perplexity of the default model per weight format: the GGUF's matrices as shipped (Q4_1, the
 quantized default), re-quantized at load (Q8_0, Q4_0), and the dequantised model in bfloat16 and float32.
 
 Perplexity is over the assistant tokens of the first `--conversations` held-out conversations (catalog/sharegpt.py's
 split), each cut at `--max-len` tokens and scored in one cached forward (the path decoding takes).
 
-    python benchmarks/perplexity.py [--conversations 24] [--max-len 512] [--out docs/bench/perplexity]
+    python docs/bench/perplexity.py [--conversations 24] [--max-len 512] [--out docs/bench/perplexity]
 """
 from __future__ import annotations
 
@@ -74,7 +75,7 @@ def main() -> None:
     reference = next(r["perplexity"] for r in rows if r["dtype"] == "bfloat16" and r["quantization"] == "none")
     lines = [f"Held-out ShareGPT perplexity of {DEFAULT_MODEL} over the assistant tokens of {len(samples)} "
              f"conversations (<= {args.max_len} tokens each, {rows[0]['tokens']} scored tokens); "
-             f"`python benchmarks/perplexity.py --conversations {args.conversations} --max-len {args.max_len}`.", "",
+             f"`python docs/bench/perplexity.py --conversations {args.conversations} --max-len {args.max_len}`.", "",
              "| weights | activations | perplexity | vs bfloat16 dequantised | weight bytes in memory |",
              "|---|---|---|---|---|"]
     for r in rows:

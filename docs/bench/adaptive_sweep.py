@@ -1,8 +1,9 @@
-"""Adaptive speculation vs plain decoding vs fixed K at batch sizes 1..32, on the bundled target/draft pair.
+# Record: how docs/bench/adaptive_sweep.json was made, on the 23M/2.6M standard-library pair that specdecode/catalog/ held until 2026-12-04: python docs/bench/adaptive_sweep.py --target TARGET --draft DRAFT --threads 1 --max-tokens 128 --repeats 6
+"""Adaptive speculation vs plain decoding vs fixed K at batch sizes 1..32, on a target/draft pair.
 
-    python benchmarks/adaptive_sweep.py                 # full sweep, Markdown table on stdout
-    python benchmarks/adaptive_sweep.py --quick         # fewer tokens and repeats
-    python benchmarks/adaptive_sweep.py --json out.json # also save the rows
+    python docs/bench/adaptive_sweep.py --target T --draft D                 # full sweep, Markdown table on stdout
+    python docs/bench/adaptive_sweep.py --target T --draft D --quick         # fewer tokens and repeats
+    python docs/bench/adaptive_sweep.py --target T --draft D --json out.json # also save the rows
 """
 from __future__ import annotations
 
@@ -16,11 +17,9 @@ from specdecode.bench.sweep import adaptive_sweep, markdown_table
 
 
 def main() -> None:
-    from specdecode.catalog import DEFAULT_DRAFT_DIR, DEFAULT_TARGET_DIR
-
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", type=Path, default=DEFAULT_TARGET_DIR)
-    p.add_argument("--draft", type=Path, default=DEFAULT_DRAFT_DIR)
+    p.add_argument("--target", type=Path, required=True)
+    p.add_argument("--draft", type=Path, required=True)
     p.add_argument("--batch-sizes", default="1,2,4,8,16,32")
     p.add_argument("--ks", default="1,2,3,4,5", help="fixed draft lengths to compare (the largest is adaptive's cap)")
     p.add_argument("--max-tokens", type=int, default=64)
