@@ -2,7 +2,7 @@
 (`llama-completion`) and prompt lookup (`llama-lookup`) on the very prompt token ids we decode, timed by llama.cpp's
 own perf print; then every engine's per-prompt figures as ratios to one reference row.
 
-benchmarks/build_llama_cpp.sh DEST builds the binaries from the llama-cpp-python sdist on PyPI.
+scripts/build_llama_cpp.sh DEST builds the binaries from the llama-cpp-python sdist on PyPI.
 
 Same ids: we hand llama.cpp the prompt already rendered in our chat template, byte for byte (`-bf`, `--no-escape`),
 with its own templating off (`-no-cnv`) and its BOS off (the template writes any BOS itself, as our encode_chat
@@ -27,7 +27,7 @@ from pathlib import Path
 
 from specdecode.errors import ConfigError
 
-BUILD_SCRIPT = "benchmarks/build_llama_cpp.sh"
+BUILD_SCRIPT = "scripts/build_llama_cpp.sh"
 REQUIRED = ("llama-completion", "llama-lookup", "llama-tokenize")
 """Binaries a run needs; llama-quantize is optional (without it there is no Q8_0 row)."""
 
@@ -76,7 +76,7 @@ _COUNTER = re.compile(r"\b(n_drafted|n_accept)\s*=\s*(\d+)")
 def _last(pattern: re.Pattern, log: str, what: str) -> tuple[str, ...]:
     found = pattern.findall(log)
     if not found:
-        raise ConfigError(f"llama.cpp printed no {what}; is it a build of benchmarks/build_llama_cpp.sh?")
+        raise ConfigError(f"llama.cpp printed no {what}; is it a build of scripts/build_llama_cpp.sh?")
     return found[-1] if isinstance(found[-1], tuple) else (found[-1],)
 
 

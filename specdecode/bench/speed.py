@@ -1,6 +1,6 @@
 """How fast plain decoding and verification run, per dtype and linear backend: tokens/s against transformers and
 against the memory roofline, the cost of a pass over K new tokens relative to one, batch-8 throughput.
-`specdecode bench --speed` and benchmarks/speed.py run it; speed_report.py renders it.
+`specdecode bench --speed` and docs/bench/speed.py run it; speed_report.py renders it.
 
 Everything runs in one process and interleaved (one run of every configuration per round, the fastest run
 counts), so that a change of load on a shared machine hits all configurations alike: the ratios are the
@@ -83,7 +83,7 @@ class SpeedConfig:
     device: str = "cpu"
     """Device to run on."""
     llama_cpp: Path | None = None
-    """A llama.cpp bin directory (benchmarks/build_llama_cpp.sh): its plain and lookup decoding beside ours, by
+    """A llama.cpp bin directory (scripts/build_llama_cpp.sh): its plain and lookup decoding beside ours, by
     prompt (the model must then be a GGUF file)."""
     peer_prompts: int = 2
     """Held-out chat prompts per category (bench/categories.py) of the llama.cpp comparison."""

@@ -85,7 +85,7 @@ def register(sub) -> None:
                         "and the memory roofline, the cost of a pass over K = 1..16 tokens, batch-8 throughput; "
                         "writes speed.md, speed.json, speed.png (one thread unless --threads)")
     p.add_argument("--llama-cpp", type=Path, default=None, metavar="BIN_DIR",
-                   help="with --speed: also llama.cpp (a bin directory built by benchmarks/build_llama_cpp.sh), plain "
+                   help="with --speed: also llama.cpp (a bin directory built by scripts/build_llama_cpp.sh), plain "
                         "on the same GGUF and a Q8_0 copy, and prompt lookup, against our plain and default "
                         "speculation, prompt by prompt on held-out chat prompts (--prompts per category, default 2)")
     p.add_argument("--backends", type=lambda text: tuple(text.split(",")), default=None,
@@ -273,7 +273,7 @@ def register_code(sub) -> None:
                                    "problems differ) to --out.")
     p.add_argument("--model", required=True, help="a model name, .gguf file or checkpoint directory")
     p.add_argument("--llama-cpp", type=Path, default=None, metavar="BIN_DIR",
-                   help="also llama.cpp (a bin directory built by benchmarks/build_llama_cpp.sh) on the same GGUF")
+                   help="also llama.cpp (a bin directory built by scripts/build_llama_cpp.sh) on the same GGUF")
     p.add_argument("--threads", type=THREADS, default=1, help="threads of each engine (default 1)")
     p.add_argument("--limit", type=POSITIVE, default=None, help="only the first N problems (default all 32)")
     p.add_argument("--max-tokens", type=TOKENS, default=512, help="most new tokens per answer (default 512)")

@@ -377,7 +377,7 @@ def suffix_config(config) -> SuffixConfig:
 def _tree_nodes(config) -> int:
     # One node per level by default (not the four of eagle and rest): a repeated text is mostly one chain, a branch
     # is kept only where a second continuation is about as frequent (suffix_min_prob), and on a CPU every verified
-    # node costs (benchmarks/suffix_agentic.py: 1 node per level and min_prob 0.5 beat 2 and 0.1).
+    # node costs (docs/bench/suffix/suffix_agentic.py: 1 node per level and min_prob 0.5 beat 2 and 0.1).
     return config.num_tree_nodes or config.num_speculative_tokens
 
 

@@ -2,7 +2,7 @@
 # Build llama.cpp, a peer in `specdecode bench --speed --llama-cpp BIN_DIR` (never a dependency), from the
 # llama-cpp-python sdist on PyPI (it vendors llama.cpp; PyPI is reachable where GitHub may not be).
 #
-#   benchmarks/build_llama_cpp.sh DEST [VERSION]     # VERSION defaults to 0.3.36
+#   scripts/build_llama_cpp.sh DEST [VERSION]     # VERSION defaults to 0.3.36
 #
 # Idempotent: the sdist is downloaded, unpacked and configured only once; cmake rebuilds only what changed.
 # CPU only, one build job per core, at the lowest priority. Prints the bin directory to pass to --llama-cpp.
