@@ -243,5 +243,7 @@ def test_speculative_model_flag_takes_a_catalog_name(parts):
     target, config, _ = resolve_models(args)  # (the target, an existing path, is not loaded here)
     assert target == Path(__file__)
     assert config == {"method": "draft_model", "model": str(registry.model_path("fakeparts"))}
+    args = parser.parse_args(["--model", __file__, "--speculative-method", "auto", "--speculative-model", "fakeparts"])
+    assert resolve_models(args)[1] == {"method": "auto", "model": str(registry.model_path("fakeparts"))}  # a source
     with pytest.raises(ConfigError, match="a model name is a draft for --speculative-method draft_model"):
         resolve_models(parser.parse_args(["--speculative-method", "eagle", "--speculative-model", "fakeparts"]))
