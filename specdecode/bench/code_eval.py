@@ -225,23 +225,18 @@ def answer_ours(llm, prompts: dict[str, list[int]], max_tokens: int = MAX_TOKENS
                     out.outputs[0].finish_reason) for problem, out in zip(prompts, outputs)]
 
 
-_END_OF_TEXT = " [end of text]\n"
-"""What llama-completion prints after an end-of-generation token (whose own piece is empty)."""
-
-
 def answer_llama(peer, model: Path, problem: str, text: str, prompt_tokens: int,
                  max_tokens: int = MAX_TOKENS) -> Attempt:
-    """llama.cpp's greedy answer to the prompt text: llama-completion with LlamaCpp.complete's flags but stopping at
-    an end-of-generation token (complete ignores them, as a speed run should)."""
-    from specdecode.bench.llama_cpp import _prompt_file, parse_completion_log
+    """llama.cpp's greedy answer to the prompt text: llama-completion with LlamaCpp.complete's flags, stopping at
+    an end-of-generation token (as complete(ignore_eos=False), but saying whether it stopped there)."""
+    from specdecode.bench.llama_cpp import END_OF_TEXT, _prompt_file, parse_completion_log
 
     with _prompt_file(text) as path:
-        flags = peer._common(model, path, max_tokens, prompt_tokens + max_tokens + 16)
-        out, log = peer._run("llama-completion", [f for f in flags if f != "--ignore-eos"]
-                             + ["-no-cnv", "--no-display-prompt"])
+        flags = peer._common(model, path, max_tokens, prompt_tokens + max_tokens + 16, ignore_eos=False)
+        out, log = peer._run("llama-completion", flags + ["-no-cnv", "--no-display-prompt"])
     out = out.removesuffix("\n\n")  # printed at exit
-    stopped = out.endswith(_END_OF_TEXT)
-    return Attempt(problem, "llama.cpp", out.removesuffix(_END_OF_TEXT), parse_completion_log(log)["tokens"],
+    stopped = out.endswith(END_OF_TEXT)
+    return Attempt(problem, "llama.cpp", out.removesuffix(END_OF_TEXT), parse_completion_log(log)["tokens"],
                    "stop" if stopped else "length")
 
 

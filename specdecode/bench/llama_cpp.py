@@ -29,6 +29,8 @@ from specdecode.errors import ConfigError
 
 BUILD_SCRIPT = "scripts/build_llama_cpp.sh"
 REQUIRED = ("llama-completion", "llama-lookup", "llama-tokenize")
+END_OF_TEXT = " [end of text]\n"
+"""What llama.cpp's examples print after an end-of-generation token (whose own piece is empty)."""
 """Binaries a run needs; llama-quantize is optional (without it there is no Q8_0 row)."""
 
 
@@ -126,26 +128,44 @@ class LlamaCpp:
             raise ConfigError(f"{binary} failed (exit {done.returncode}): {tail}")
         return done.stdout, done.stderr
 
-    def _common(self, model: Path, prompt_file: Path, tokens: int, context: int) -> list[str]:
+    def _common(self, model: Path, prompt_file: Path, tokens: int, context: int, ignore_eos: bool = True) -> list[str]:
         return ["-m", str(model), "-bf", str(prompt_file), "--no-escape", "-n", str(tokens), "-c", str(context),
-                "-t", str(self.threads), "-tb", str(self.threads), "--temp", "0", "--seed", "0", "--ignore-eos",
+                "-t", str(self.threads), "-tb", str(self.threads), "--temp", "0", "--seed", "0",
+                *(["--ignore-eos"] if ignore_eos else []),
                 "--override-kv", "tokenizer.ggml.add_bos_token=bool:false"]
 
-    def complete(self, model: Path, text: str, tokens: int, prompt_tokens: int, prompt: str = "") -> PeerRun:
-        """Plain greedy decoding of `tokens` tokens after the prompt text (of `prompt_tokens` ids)."""
+    def complete(self, model: Path, text: str, tokens: int, prompt_tokens: int, prompt: str = "",
+                 ignore_eos: bool = True) -> PeerRun:
+        """Plain greedy decoding of `tokens` tokens after the prompt text (of `prompt_tokens` ids); with
+        ignore_eos=False it stops at an end-of-generation token."""
         with _prompt_file(text) as path:
-            out, log = self._run("llama-completion", self._common(model, path, tokens, prompt_tokens + tokens + 16)
-                                 + ["-no-cnv", "--no-display-prompt"])
-        return PeerRun("llama.cpp", "plain", self.weights_format(model), prompt, text=out.removesuffix("\n\n"),
-                       **parse_completion_log(log))
+            out, log = self._run("llama-completion", self._common(model, path, tokens, prompt_tokens + tokens + 16,
+                                                                   ignore_eos) + ["-no-cnv", "--no-display-prompt"])
+        return PeerRun("llama.cpp", "plain", self.weights_format(model), prompt,
+                       text=out.removesuffix("\n\n").removesuffix(END_OF_TEXT), **parse_completion_log(log))
 
-    def lookup(self, model: Path, text: str, tokens: int, prompt_tokens: int, draft: int, prompt: str = "") -> PeerRun:
+    def lookup(self, model: Path, text: str, tokens: int, prompt_tokens: int, draft: int, prompt: str = "",
+               ignore_eos: bool = True) -> PeerRun:
         """Prompt lookup: n-grams of the context drafting at most `draft` tokens a step, verified greedily."""
         with _prompt_file(text) as path:
-            out, log = self._run("llama-lookup", self._common(model, path, tokens, prompt_tokens + tokens + draft + 16)
-                                 + ["--spec-draft-n-max", str(draft)])
-        out = out.removeprefix("\n\n").removesuffix("\n\n\n\n")  # it echoes the prompt's pieces first
-        return PeerRun("llama.cpp", "lookup", self.weights_format(model), prompt, text=out.removeprefix(text),
+            out, log = self._run("llama-lookup", self._common(model, path, tokens, prompt_tokens + tokens + draft + 16,
+                                                              ignore_eos) + ["--spec-draft-n-max", str(draft)])
+        return PeerRun("llama.cpp", "lookup", self.weights_format(model), prompt, text=_echoed(out, text),
+                       **parse_lookup_log(log))
+
+    def speculative(self, model: Path, draft_model: Path, text: str, tokens: int, prompt_tokens: int, draft: int,
+                    prompt: str = "") -> PeerRun:
+        """llama-speculative: the draft model (same threads) drafting at most `draft` tokens a step, verified
+        greedily; stops at an end-of-generation token."""
+        if not os.access(self.bin_dir / "llama-speculative", os.X_OK):
+            raise ConfigError(f"{self.bin_dir} has no llama-speculative: build it with `{BUILD_SCRIPT} DEST`")
+        threads = [str(self.threads)] * 2
+        with _prompt_file(text) as path:
+            out, log = self._run("llama-speculative",
+                                 self._common(model, path, tokens, prompt_tokens + tokens + draft + 16, False)
+                                 + ["-md", str(draft_model), "-td", threads[0], "-tbd", threads[1],
+                                    "--spec-draft-n-max", str(draft)])
+        return PeerRun("llama.cpp", "speculative", self.weights_format(model), prompt, text=_echoed(out, text),
                        **parse_lookup_log(log))
 
     def weights_format(self, model: Path) -> str:
@@ -198,6 +218,12 @@ class LlamaCpp:
         self._run("llama-quantize", ["--allow-requantize", str(model), str(partial), kind, str(self.threads)])
         os.replace(partial, out)
         return out
+
+
+def _echoed(out: str, text: str) -> str:
+    """The answer in the output of llama-lookup or llama-speculative, which echo the prompt's pieces first."""
+    out = out.removeprefix("\n\n").removesuffix("\n\n\n\n").removeprefix(text)
+    return out.removesuffix(END_OF_TEXT)
 
 
 @contextlib.contextmanager

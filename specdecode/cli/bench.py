@@ -95,12 +95,13 @@ def register(sub) -> None:
                    help="with --speed: wall (default) or cpu, the thread's CPU time (for a machine shared with "
                         "other jobs)")
     p.set_defaults(func=cmd_bench)
-    tools = p.add_subparsers(dest="bench_command", metavar="serve|soak|fuzz|code|perplexity")
+    tools = p.add_subparsers(dest="bench_command", metavar="serve|soak|fuzz|code|perplexity|assistant")
     register_serve(tools)
     register_soak(tools)
     register_fuzz(tools)
     register_code(tools)
     register_perplexity(tools)
+    register_assistant(tools)
 
 
 def _checkpoints(args) -> tuple[Path, Path | None]:
@@ -280,6 +281,34 @@ def register_code(sub) -> None:
     p.add_argument("--out", type=Path, default=Path("bench_results/code"),
                    help="output folder (default bench_results/code)")
     p.set_defaults(func=_run("specdecode.bench.code_eval", "cmd_bench_code"))
+
+
+def register_assistant(sub) -> None:
+    p = sub.add_parser("assistant", help="a code-assistant workload: ours (plain, draft, lookup, auto) vs llama.cpp "
+                                         "(plain, llama-speculative, llama-lookup) on the same GGUF pair",
+                       description="Write small functions (their tests run on every answer), edit held-out "
+                                   "standard-library functions, refactor one over a three-turn conversation: greedy, "
+                                   "each engine stopping at its end-of-turn token, at each thread count. Ours: plain, "
+                                   "draft_model, ngram and auto with the draft (adaptive); with --llama-cpp also "
+                                   "llama-completion, llama-speculative with the same draft and llama-lookup. Writes "
+                                   "results.json, report.md and assistant.png to --out (decode tokens/s by category "
+                                   "and as ratios to llama.cpp plain; greedy answers checked against our plain).")
+    p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct",
+                   help="the target: a model name or .gguf (default qwen2.5-coder-1.5b-instruct)")
+    p.add_argument("--draft", default=None, help="the draft model (default: the target's catalog draft)")
+    p.add_argument("--llama-cpp", type=Path, default=None, metavar="BIN_DIR",
+                   help="also llama.cpp (a bin directory built by scripts/build_llama_cpp.sh) on the same files")
+    p.add_argument("--threads", type=lambda text: [THREADS(t) for t in text.split(",")], default=[1],
+                   help="comma-separated thread counts of every engine (default 1)")
+    p.add_argument("--prompts", type=int_range(1, 8), default=2, help="requests per category (default 2)")
+    p.add_argument("--max-tokens", type=TOKENS, default=256, help="most new tokens per answer (default 256)")
+    p.add_argument("--num-speculative-tokens", type=SPECULATIVE_TOKENS, default=8,
+                   help="ours and llama-lookup: most draft tokens a step (default 8)")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="our dtype (default auto: float32 with the quantized kernels for a GGUF)")
+    p.add_argument("--out", type=Path, default=Path("bench_results/assistant"),
+                   help="output folder (default bench_results/assistant)")
+    p.set_defaults(func=_run("specdecode.bench.assistant", "cmd_bench_assistant"))
 
 
 def register_perplexity(sub) -> None:

@@ -52,6 +52,21 @@ target:
 0.06.250.740 I common_perf_print:       total time =    5368.41 ms /   215 tokens
 """
 
+# stderr of `llama-speculative -md DRAFT --spec-draft-n-max 4 -n 48 -t 1` on Qwen2.5-Coder-1.5B with the 0.5B drafting
+SPECULATIVE_LOG = """\
+0.09.188.305 I encoded   18 tokens in    0.701 seconds, speed:   25.665 t/s
+0.09.188.306 I decoded   50 tokens in    4.911 seconds, speed:   10.182 t/s
+0.09.188.307 I
+0.09.188.307 I n_draft   = 4
+0.09.188.308 I n_predict = 50
+0.09.188.308 I n_drafted = 40
+0.09.188.308 I n_accept  = 39
+0.09.188.308 I accept    = 97.500%
+0.09.188.336 I common_perf_print:    sampling time =      13.27 ms
+0.09.188.342 I common_perf_print: prompt eval time =    3267.88 ms /    68 tokens (   48.06 ms per token,    20.81 tokens per second)
+0.09.188.409 I common_perf_print:        eval time =       0.00 ms /     1 runs   (    0.00 ms per token,      inf tokens per second)
+"""
+
 # A ChatML prompt as our template renders it: special tokens, a non-ASCII character, a backslash-n that must stay
 # two characters (no escape processing) and the final newline that llama.cpp's -f would drop.
 PROMPT = "<|im_start|>user\nWhat does print('a\\n') show? ❏<|im_end|>\n<|im_start|>assistant\n"
@@ -91,6 +106,7 @@ def _fake_bin(folder: Path, record: Path) -> Path:
     folder.mkdir()
     outputs = {"llama-completion": ("Because of Rayleigh scattering.\n\n", COMPLETION_LOG),
                "llama-lookup": (f"\n\n{PROMPT}Because of Rayleigh scattering.\n\n\n\n", LOOKUP_LOG),
+               "llama-speculative": (f"\n\n{PROMPT}Because of Rayleigh scattering.\n\n\n\n", SPECULATIVE_LOG),
                "llama-tokenize": ("[1, 9690, 198]\n", ""), "llama-quantize": ("", "quantize time = 1 ms\n"),
                "llama-bench": (BENCH_JSON, "")}
     for name, (out, err) in outputs.items():
@@ -145,6 +161,17 @@ def test_runs_pass_our_exact_prompt_and_no_template(fake_llama):
     assert args[args.index("--spec-draft-n-max") + 1] == "8" and "-no-cnv" not in args  # lookup refuses it
     assert lookup.text == "Because of Rayleigh scattering."  # the echoed prompt taken off
     assert (lookup.mode, lookup.drafted, lookup.accepted) == ("lookup", 56, 37)
+
+    draft = model.with_name("draft.gguf")
+    spec = peer.speculative(model, draft, PROMPT, tokens=48, prompt_tokens=20, draft=4)
+    args = (record / "llama-speculative.args").read_text().split("\n")
+    assert args[args.index("-md") + 1] == str(draft) and args[args.index("--spec-draft-n-max") + 1] == "4"
+    assert args[args.index("-td") + 1] == args[args.index("-tbd") + 1] == "1"
+    assert "--ignore-eos" not in args  # it stops at the end of the turn, as a chat request does
+    assert spec.text == "Because of Rayleigh scattering." and (spec.tokens, spec.drafted, spec.accepted) == (50, 40, 39)
+    assert spec.decode_tokens_per_s == pytest.approx(49 / 4.911)
+    peer.complete(model, PROMPT, tokens=16, prompt_tokens=20, ignore_eos=False)
+    assert "--ignore-eos" not in (record / "llama-completion.args").read_text().split("\n")
 
     assert peer.tokenize(model, PROMPT) == [1, 9690, 198]
     args = (record / "llama-tokenize.args").read_text().split("\n")
