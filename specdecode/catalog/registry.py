@@ -109,12 +109,15 @@ DEFAULT_SPECULATORS: dict[str, dict | None] = {
     # (drafting nothing when it does not pay). 1.30x plain in float32 and 1.14x in bfloat16 on 4 chat prompts.
     "smollm2-135m-instruct": {"method": "ngram", "adaptive": True},
     # The 0.5B shares the 1.5B's vocabulary (151,936 tokens) and special tokens; as a name, it is fetched like a target.
-    "qwen2.5-coder-1.5b-instruct": {"method": "draft_model", "model": "qwen2.5-coder-0.5b-instruct",
-                                    "adaptive": True},
+    # auto merges its drafts with prompt lookup and suffix decoding: on `bench assistant` (docs/benchmarks.md) 1.49x
+    # llama.cpp plain at one thread and 1.71x at two, the draft model alone 1.26x and 1.33x; seeded T=0.7 on two code
+    # prompts as fast as the draft alone (docs/bench/assistant_2026-12-04).
+    "qwen2.5-coder-1.5b-instruct": {"method": "auto", "model": "qwen2.5-coder-0.5b-instruct",
+                                    "num_speculative_tokens": 8, "adaptive": True},
 }
 """Named model -> the speculative_config used when no speculative flag is given (None = plain decoding).
-A shipped speculator is an entry here, e.g. {"method": "eagle", "model": "<path of its head>"}; a draft_model's
-"model" may be another named model."""
+A shipped speculator is an entry here, e.g. {"method": "eagle", "model": "<path of its head>"}; the "model" of
+draft_model (or of auto, as its draft) may be another named model."""
 
 
 SHIPPED_SPECULATORS: dict[str, dict[str, str]] = {

@@ -139,7 +139,7 @@ def speculative_config(args, default: dict | None = None) -> dict | None:
                               "--speculative-method ngram")
         return _fixed_k(args, dict(default)) if default is not None else None
     # As in vLLM: a draft model when one is given, prompt lookup otherwise.
-    drafts = default is not None and methods.get(default.get("method", "draft_model")).model == "draft"
+    drafts = default is not None and methods.get(default.get("method", "draft_model")).model in DRAFT_KINDS
     default_draft = default.get("model") if drafts else None
     has_draft = args.speculative_model is not None or default_draft is not None
     method = args.speculative_method or _speculator_kind(args.speculative_model) or (

@@ -216,7 +216,7 @@ def test_qwen_coder_pair():
         path = registry.model_path(model.name)
         assert path.parent == registry.cache_dir() / "models" / model.name and path.suffix == ".gguf"
     default = registry.default_speculative_config(big.name)
-    assert default == {"method": "draft_model", "model": small.name, "adaptive": True}
+    assert default == {"method": "auto", "model": small.name, "num_speculative_tokens": 8, "adaptive": True}
     assert SpeculativeConfig.parse(default).adaptive
 
 
@@ -228,7 +228,7 @@ def test_a_draft_named_in_the_catalog_is_fetched(parts, monkeypatch):
     draft = registry.model_path("qwen2.5-coder-0.5b-instruct")
     config = with_shipped_speculator(registry.default_speculative_config("qwen2.5-coder-1.5b-instruct"),
                                      "qwen2.5-coder-1.5b-instruct")
-    assert config == {"method": "draft_model", "model": str(draft), "adaptive": True}
+    assert config == {"method": "auto", "model": str(draft), "num_speculative_tokens": 8, "adaptive": True}
     assert draft.read_bytes() == PAYLOAD
     config = with_shipped_speculator(SpeculativeConfig(model="fakeparts"), None)
     assert config.model == str(registry.model_path("fakeparts"))
