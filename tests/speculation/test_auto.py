@@ -215,6 +215,32 @@ def test_a_draft_model_joins_the_tree_and_stays_exact(tiny_models, plain_answers
     assert accepted > 0.3 * proposed > 0, llm.proposer.counts
 
 
+def test_a_windowed_draft_stays_exact(tiny_models, plain_answers, monkeypatch):
+    """A draft that joins with only the last few tokens of a long prompt (auto's DRAFT_WINDOW, here 6) drafts from
+    that shorter context at its own positions; the output is still plain decoding's."""
+    from specdecode.speculation.proposers import auto as auto_module
+
+    monkeypatch.setattr(auto_module, "DRAFT_WINDOW", 6)
+    prompts, greedy, plain = plain_answers
+    llm = LLM(str(tiny_models["target"]), dtype="float32", max_num_seqs=2,
+              speculative_config={"method": "auto", "model": str(tiny_models["draft"]), "num_speculative_tokens": 3,
+                                  "adaptive": False})
+    drafter = llm.proposer.drafter
+    assert drafter.window == 6
+    windowed = []
+    add = drafter.add
+
+    def noting_add(seqs):
+        add(seqs)
+        windowed.extend(seq.request_id for seq in seqs if seq.request_id in drafter.windowed)
+
+    monkeypatch.setattr(drafter, "add", noting_add)
+    for prompt, want, got in zip(prompts, plain, llm.generate(prompts, greedy)):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids, prompt
+    assert len(windowed) == 3  # every prompt but "print(", which fits in the window
+    assert llm.proposer.counts["draft_model"][1] > 0 and not drafter.windowed  # drafted; forgotten when done
+
+
 def test_a_draft_model_in_auto_samples_exactly_with_a_seed(tiny_models):
     """Seeded sampling gives the same tokens with and without speculation (one-hot guesses verified exactly)."""
     params = SamplingParams(temperature=0.8, seed=3, max_tokens=32, ignore_eos=True)

@@ -75,6 +75,9 @@ class DraftModelProposer:
         self.held: dict[int, list[int]] = {}  # slot -> the tokens its rows hold from the request that left it
         self.kept_tokens = 0  # prompt tokens whose draft keys and values a slot held (not prefilled again)
         self.pending: dict[str, _Pending] = {}
+        self.window: int | None = None
+        """When set (by `auto`): a request joins with only its last `window` tokens prefilled (see add)."""
+        self.windowed: set[str] = set()
         self.deeper = None
         """When set (by `auto`, from the measured costs): deeper(batch, levels, expected, gain) says whether one more
         level pays, given the tokens the drafted levels are expected to give (counting each row's committed one)
@@ -89,10 +92,15 @@ class DraftModelProposer:
     @torch.no_grad()
     def add(self, seqs) -> None:
         """Prefill the draft's cache with every token but the pending one, as in the target's cache, after the
-        beginning its slot still holds from the request that used it last (prefix caching)."""
+        beginning its slot still holds from the request that used it last (prefix caching); with a `window`, only
+        the last `window` of them (the draft then sees a shorter context, at its own positions)."""
         fresh = []
         for seq in seqs:
             n = len(seq.token_ids) - 1
+            if self.window is not None and n > self.window:
+                self._prefill([seq], [0], start=n - self.window)
+                self.windowed.add(seq.request_id)
+                continue
             keep = min(common_prefix(self.held.pop(seq.slot, ()), seq.token_ids), n)
             if keep:  # rows that keep different prefixes run alone: padding them together could overrun the rows
                 self._prefill([seq], [keep])
@@ -102,23 +110,26 @@ class DraftModelProposer:
         if fresh:
             self._prefill(fresh, [0] * len(fresh))
 
-    def _prefill(self, seqs, keep: list[int]) -> None:
+    def _prefill(self, seqs, keep: list[int], start: int = 0) -> None:
+        """The tokens from start + keep[i] on (all but the pending one) into rows that hold keep[i] already."""
         slots = torch.tensor([s.slot for s in seqs])
         self.cache.rollback(slots, torch.tensor(keep))
-        lens = [len(s.token_ids) - 1 - k for s, k in zip(seqs, keep)]
+        lens = [len(s.token_ids) - 1 - start - k for s, k in zip(seqs, keep)]
         width = max(lens)
         if width:
-            ids = torch.tensor([s.token_ids[k:k + n] + [0] * (width - n) for s, k, n in zip(seqs, keep, lens)],
-                               device=self.model.device)  # [B, width], padding is never committed
-            self.model(ids, cache=self.cache, slots=slots, compute_logits=False)
+            ids = torch.tensor([s.token_ids[start + k:start + k + n] + [0] * (width - n)
+                                for s, k, n in zip(seqs, keep, lens)], device=self.model.device)  # [B, width]
+            self.model(ids, cache=self.cache, slots=slots, compute_logits=False)  # padding is never committed
             self.cache.advance(slots, torch.tensor(lens))
         for seq, k, n in zip(seqs, keep, lens):
-            self.draft_len[seq.request_id] = k + n
+            self.draft_len[seq.request_id] = start + k + n
 
     def remove(self, seq) -> None:
         n = self.draft_len.pop(seq.request_id, None)
         self.pending.pop(seq.request_id, None)
-        if n and seq.slot >= 0:  # what its slot of the draft cache holds, for a later request to keep
+        if seq.request_id in self.windowed:  # its rows hold a window, not the tokens from the first on
+            self.windowed.discard(seq.request_id)
+        elif n and seq.slot >= 0:  # what its slot of the draft cache holds, for a later request to keep
             self.held[seq.slot] = seq.token_ids[:n]
 
     def _pick(self, logits: torch.Tensor, seqs, greedy: bool, width: int,
