@@ -109,7 +109,7 @@ DEFAULT_SPECULATORS: dict[str, dict | None] = {
     # (drafting nothing when it does not pay). 1.30x plain in float32 and 1.14x in bfloat16 on 4 chat prompts.
     "smollm2-135m-instruct": {"method": "ngram", "adaptive": True},
     # The 0.5B shares the 1.5B's vocabulary (151,936 tokens) and special tokens; as a name, it is fetched like a target.
-    # auto merges its drafts with prompt lookup and suffix decoding: on `bench assistant` (docs/benchmarks.md) 1.49x
+    # auto merges its drafts with prompt lookup and suffix decoding: on `bench assistant` (docs/benchmarks.md, Zen 4) 1.49x
     # llama.cpp plain at one thread and 1.82x at two, the draft model alone 1.22x and 1.37x; seeded T=0.7 on two code
     # prompts as fast as the draft alone (docs/bench/assistant_2026-12-04).
     "qwen2.5-coder-1.5b-instruct": {"method": "auto", "model": "qwen2.5-coder-0.5b-instruct",

@@ -50,7 +50,7 @@ REQUEST_DECAY = 0.95
 DRAFT_WINDOW = 256
 """A draft model joins a request with only its last this many tokens prefilled: a long prompt (an edit, a long
 conversation) is mostly served by prompt lookup, and the draft's whole prefill cost more than its drafts saved (a
-640-token prompt: 1.9 s of the 0.5B at one thread, beside a 5 s answer)."""
+640-token prompt: 1.9 s of the 0.5B at one thread of a Zen 4 core, beside a 5 s answer)."""
 PRIOR_DRAFT_YIELD = 2.0
 """Accepted draft-model nodes per drafted row assumed before any are measured."""
 YIELD_RATE = 0.1
@@ -127,6 +127,7 @@ class AutoProposer:
         self.drafter = networks[0] if networks else None
         if self.drafter is not None:
             self.drafter.window = DRAFT_WINDOW
+            self.drafter.scores_nodes = True
         """The source that runs a network per level (a draft model), if any: asked only for rows where the free
         sources' tree is expected to add fewer tokens than its drafts lately did (draft_yield)."""
         self.draft_yield = PRIOR_DRAFT_YIELD
@@ -241,7 +242,7 @@ class AutoProposer:
     def _join_drafter(self, seqs) -> None:
         """The draft model prefills a request's tokens the first time it is asked to draft for it, not when the
         request joins: a request the free sources serve alone (an edit that copies its prompt) never pays the draft's
-        prefill (a 640-token prompt: 1.9 s of the 0.5B at one thread, beside a 5 s answer)."""
+        prefill (see DRAFT_WINDOW)."""
         fresh = [seq for seq in seqs if seq.request_id not in self.drafted]
         if fresh:
             self.drafter.add(fresh)

@@ -75,6 +75,9 @@ class DraftModelProposer:
         self.held: dict[int, list[int]] = {}  # slot -> the tokens its rows hold from the request that left it
         self.kept_tokens = 0  # prompt tokens whose draft keys and values a slot held (not prefilled again)
         self.pending: dict[str, _Pending] = {}
+        self.scores_nodes = False
+        """When set (by `auto`): every node carries a confidence class from the draft's probability of it
+        (DraftTree.node_confidence), and `deeper` may end a step's drafting early."""
         self.window: int | None = None
         """When set (by `auto`): a request joins with only its last `window` tokens prefilled (see add)."""
         self.windowed: set[str] = set()
@@ -188,15 +191,17 @@ class DraftModelProposer:
         root_logits = out.logits[torch.arange(B, device=device), (tail_lens - 1).to(device)]  # [B, V]
         tokens, q = self._pick(root_logits, seqs, greedy, width, 0)  # [B, w], [B, w, V]
         level_tokens, level_q = [tokens], [q]
-        level_p = [_token_probs(root_logits, q, tokens)]  # [B, w] each node's probability under the draft
-        chain_p = level_p[0]  # [B, w] each chain's probability so far
-        expected = B + float(chain_p.max(1).values.sum())
+        scored = self.scores_nodes  # (only auto reads the draft's probabilities: a plain draft skips their softmax)
+        if scored:
+            level_p = [_token_probs(root_logits, q, tokens)]  # [B, w] each node's probability under the draft
+            chain_p = level_p[0]  # [B, w] each chain's probability so far
+            expected = B + float(chain_p.max(1).values.sum())
         # Level d nodes sit at position length + tail_len + d - 1; each chain sees the real tail and its own nodes.
         base_pos = (self.cache.lengths[slots] + tail_lens).to(device)  # [B]
         tail_visible = (torch.arange(padded_tail)[None, :] < tail_lens[:, None]).to(device)  # [B, Tt]
         own_chain = torch.eye(width, dtype=torch.bool, device=device)
         for depth in range(1, K):
-            if self.deeper is not None:  # the next level guessed as likely as the last, given the chain so far
+            if scored and self.deeper is not None:  # the next level guessed as likely as the last, given the chain
                 gain = float((chain_p * level_p[-1]).max(1).values.sum())
                 if not self.deeper(B, depth, expected, gain):
                     break
@@ -208,23 +213,25 @@ class DraftModelProposer:
             tokens, q = self._pick(out.logits, seqs, greedy, width, depth)
             level_tokens.append(tokens)
             level_q.append(q)
-            level_p.append(_token_probs(out.logits, q, tokens))
-            chain_p = chain_p * level_p[-1]
-            expected += float(chain_p.max(1).values.sum())
+            if scored:
+                level_p.append(_token_probs(out.logits, q, tokens))
+                chain_p = chain_p * level_p[-1]
+                expected += float(chain_p.max(1).values.sum())
         K = len(level_tokens)
         all_tokens = torch.stack(level_tokens, dim=2).cpu()  # [B, w, K]
-        all_p = torch.stack(level_p, dim=2).cpu()  # [B, w, K]
         all_q = None if greedy else torch.stack(level_q, dim=2)  # [B, w, K, V] (V: the draft head's rows)
         if all_q is not None and all_q.shape[-1] < self.vocab_size:  # tokens the head leaves out: q = 0
             all_q = torch.nn.functional.pad(all_q, (0, self.vocab_size - all_q.shape[-1]))
-        classes = torch.bucketize(all_p, torch.tensor(CONFIDENCE_EDGES, dtype=all_p.dtype), right=True)
+        classes = (torch.bucketize(torch.stack(level_p, dim=2).cpu(), torch.tensor(CONFIDENCE_EDGES), right=True)
+                   if scored else None)  # [B, w, K]
         trees = []
         for b, seq in enumerate(seqs):
             k = min(budgets[b], K)
             parents = [-1 if d == 0 else c * k + d - 1 for c in range(width) for d in range(k)]
             probs = None if all_q is None else all_q[b, :, :k].reshape(width * k, -1)
             trees.append(DraftTree(all_tokens[b, :, :k].reshape(-1), tuple(parents), probs,
-                                   node_confidence=tuple(classes[b, :, :k].reshape(-1).tolist())))
+                                   node_confidence=None if classes is None
+                                   else tuple(classes[b, :, :k].reshape(-1).tolist())))
             self.pending[seq.request_id] = _Pending(int(tail_lens[b]), padded_tail, all_tokens[b].tolist(), K - 1)
         return trees
 
