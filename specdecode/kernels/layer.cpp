@@ -9,8 +9,10 @@
 // and attention runs per (token, head) over positions in order with a fixed exp. So a token's logits are the same
 // in a one-token decode step and in a verify pass over a draft tree.
 //
-// Cache layout (model/cache.py): keys [slots, kv_heads, head_dim, max_len] (transposed), values
-// [slots, kv_heads, max_len, head_dim]. Row b's new token t is written at lengths[b] + pending + t and sees the
+// Cache layout (model/cache.py): keys [blocks, kv_heads, head_dim, bs] (transposed), values [blocks, kv_heads, bs,
+// head_dim]; row b's position p is offset p % bs of block tables[b][p / bs]. Reading positions block by block in
+// order gives every position the same numbers whatever the block size and placement (the slots layout is one block
+// of max_len a row). Row b's new token t is written at lengths[b] + pending + t and sees the
 // row's committed prefix [0, lengths[b]) and, among the pending + T fresh positions after it, those that
 // visible[b][t] marks (no mask: the causal ones, fresh position f <= pending + t).
 #include "quant.h"
@@ -81,14 +83,12 @@ inline float exp1(float x) {
   return p * scale;
 }
 
-// Softmax attention of one query q [hd] (already scaled) over positions [0, L) of one kv head: keys_t [hd][stride]
-// (transposed), vals [L][hd]; allowed(j) says which positions it sees. scores: scratch of L floats. out [hd].
-template <typename Allowed>
-void attend_one(const float* q, const float* keys_t, int64_t stride, const float* vals, int64_t L, int64_t hd,
-                Allowed allowed, float* scores, float* out) {
+// Scores of one query q [hd] (already scaled) over n positions of one block of keys: keys_t [hd][stride]
+// (transposed); scores [n]. Each position's score is the same chain of FMAs over d whichever loop computes it.
+void score_run(const float* q, const float* keys_t, int64_t stride, int64_t n, int64_t hd, float* scores) {
   int64_t j = 0;
 #if defined(__AVX2__)
-  for (; j + 32 <= L; j += 32) {  // four blocks of positions at once: four independent chains of FMAs
+  for (; j + 32 <= n; j += 32) {  // four blocks of positions at once: four independent chains of FMAs
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     for (int64_t d = 0; d < hd; ++d) {
       const __m256 qd = _mm256_set1_ps(q[d]);
@@ -103,18 +103,29 @@ void attend_one(const float* q, const float* keys_t, int64_t stride, const float
     _mm256_storeu_ps(scores + j + 16, a2);
     _mm256_storeu_ps(scores + j + 24, a3);
   }
-  for (; j + 8 <= L; j += 8) {  // (each position's sum is the same chain over d in both loops)
+  for (; j + 8 <= n; j += 8) {  // (each position's sum is the same chain over d in both loops)
     __m256 acc = _mm256_setzero_ps();
     for (int64_t d = 0; d < hd; ++d)
       acc = _mm256_fmadd_ps(_mm256_set1_ps(q[d]), _mm256_loadu_ps(keys_t + d * stride + j), acc);
     _mm256_storeu_ps(scores + j, acc);
   }
 #endif
-  for (; j < L; ++j) {
+  for (; j < n; ++j) {
     float acc = 0.0f;
     for (int64_t d = 0; d < hd; ++d) acc = std::fma(q[d], keys_t[d * stride + j], acc);
     scores[j] = acc;
   }
+}
+
+// Softmax attention of one query q [hd] (already scaled) over positions [0, L) of one kv head, stored in blocks of
+// bs positions: key_blocks[i] [hd][bs] (transposed) and val_blocks[i] [bs][hd] hold positions i*bs...; allowed(j)
+// says which positions it sees. scores: scratch of L floats. out [hd].
+template <typename Allowed>
+void attend_one(const float* q, const float* const* key_blocks, const float* const* val_blocks, int64_t bs,
+                int64_t L, int64_t hd, Allowed allowed, float* scores, float* out) {
+  for (int64_t start = 0, i = 0; start < L; start += bs, ++i)
+    score_run(q, key_blocks[i], bs, std::min(bs, L - start), hd, scores + start);
+  int64_t j = 0;
   float top = -INFINITY;
   for (j = 0; j < L; ++j) {
     if (allowed(j)) top = std::max(top, scores[j]);
@@ -134,7 +145,7 @@ void attend_one(const float* q, const float* keys_t, int64_t stride, const float
   for (j = 0; j < L; ++j) {
     if (scores[j] == 0.0f) continue;  // masked (or underflowed): adds nothing
     const float p = scores[j] * inv;
-    const float* v = vals + j * hd;
+    const float* v = val_blocks[j / bs] + (j % bs) * hd;
     int64_t d = 0;
 #if defined(__AVX2__)
     const __m256 p8 = _mm256_set1_ps(p);
@@ -154,7 +165,7 @@ void layer_step(torch::Tensor x, const torch::Tensor& input_norm, const torch::T
                 const std::vector<int64_t>& f_o, const std::vector<torch::Tensor>& w_gate_up,
                 const std::vector<int64_t>& f_gate_up, const std::vector<torch::Tensor>& w_down,
                 const std::vector<int64_t>& f_down, const torch::Tensor& cos, const torch::Tensor& sin,
-                torch::Tensor keys, torch::Tensor values, const torch::Tensor& slots, const torch::Tensor& lengths,
+                torch::Tensor keys, torch::Tensor values, const torch::Tensor& tables, const torch::Tensor& lengths,
                 int64_t pending, const c10::optional<torch::Tensor>& visible, int64_t num_heads,
                 int64_t num_kv_heads, int64_t new_tokens) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2, "x must be [B*T, D] float32");
@@ -162,17 +173,24 @@ void layer_step(torch::Tensor x, const torch::Tensor& input_norm, const torch::T
               values.is_contiguous(), "the cache must be contiguous float32");
   const int64_t BT = x.size(0), D = x.size(1), T = new_tokens, B = BT / T;
   const int64_t H = num_heads, G = num_kv_heads, hd = cos.size(1), group = H / G;
-  const int64_t max_len = keys.size(3), fresh = pending + T;
-  TORCH_CHECK(B * T == BT && slots.numel() == B && lengths.numel() == B, "rows and new tokens do not match x");
+  const int64_t bs = keys.size(3), num_blocks = keys.size(0), fresh = pending + T;
+  TORCH_CHECK(B * T == BT && tables.dim() == 2 && tables.size(0) == B && lengths.numel() == B,
+              "rows and new tokens do not match x");
   TORCH_CHECK(cos.size(0) == BT && sin.size(0) == BT && cos.is_contiguous() && sin.is_contiguous() &&
               cos.dtype() == torch::kFloat32 && sin.dtype() == torch::kFloat32, "cos/sin must be [B*T, hd] float32");
-  auto slot_list = slots.to(torch::kInt64).contiguous();
+  auto table_list = tables.to(torch::kInt64).contiguous();
   auto length_list = lengths.to(torch::kInt64).contiguous();
-  const int64_t* slot = slot_list.data_ptr<int64_t>();
+  const int64_t width = tables.size(1);
+  const int64_t* table = table_list.data_ptr<int64_t>();  // [B, width]: row b's blocks in order of position
   const int64_t* length = length_list.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b)
-    TORCH_CHECK(length[b] + fresh <= max_len && slot[b] >= 0 && slot[b] < keys.size(0),
-                "the KV cache holds ", max_len, " positions per row; this step needs ", length[b] + fresh);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t used = (length[b] + fresh + bs - 1) / bs;
+    TORCH_CHECK(used <= width, "the KV cache holds ", width * bs, " positions per row; this step needs ",
+                length[b] + fresh);
+    for (int64_t i = 0; i < used; ++i)
+      TORCH_CHECK(table[b * width + i] >= 0 && table[b * width + i] < num_blocks,
+                  "row ", b, " has no KV-cache block for positions from ", i * bs, " (reserve them first)");
+  }
   const bool* mask = nullptr;
   torch::Tensor mask_tensor;
   if (visible.has_value() && visible->defined()) {
@@ -187,7 +205,7 @@ void layer_step(torch::Tensor x, const torch::Tensor& input_norm, const torch::T
   rms_norm(xs, input_norm.data_ptr<float>(), static_cast<float>(eps), BT, D, h.data_ptr<float>());
   auto qkv = qmatmul_parts(h, w_qkv, f_qkv, true);  // [BT, (H + 2G) * hd]
   if (b_qkv.has_value() && b_qkv->defined()) qkv += *b_qkv;
-  const int64_t width = (H + 2 * G) * hd, half = hd / 2;
+  const int64_t qkv_width = (H + 2 * G) * hd, half = hd / 2;
   float* qkv_data = qkv.data_ptr<float>();
   if (q_norm.has_value() && q_norm->defined()) {  // Qwen3: each q and k head RMS-normalised before rotary
     TORCH_CHECK(k_norm.has_value() && k_norm->defined() && q_norm->numel() == hd && k_norm->numel() == hd,
@@ -196,7 +214,7 @@ void layer_step(torch::Tensor x, const torch::Tensor& input_norm, const torch::T
     const float* kw = k_norm->data_ptr<float>();
     for (int64_t i = 0; i < BT; ++i)
       for (int64_t head = 0; head < H + G; ++head) {
-        float* v = qkv_data + i * width + head * hd;
+        float* v = qkv_data + i * qkv_width + head * hd;
         rms_norm(v, head < H ? qw : kw, static_cast<float>(eps), 1, hd, v);  // (in place: it reads before it writes)
       }
   }
@@ -205,24 +223,24 @@ void layer_step(torch::Tensor x, const torch::Tensor& input_norm, const torch::T
   std::vector<float> rolled(hd);
   for (int64_t i = 0; i < BT; ++i) {  // rotary on the q and k heads: x * cos + roll(x, hd/2) * signed_sin
     for (int64_t head = 0; head < H + G; ++head) {
-      float* v = qkv_data + i * width + head * hd;
+      float* v = qkv_data + i * qkv_width + head * hd;
       for (int64_t d = 0; d < hd; ++d) rolled[d] = v[(d + half) % hd];
       for (int64_t d = 0; d < hd; ++d) v[d] = v[d] * cs[i * hd + d] + rolled[d] * sn[i * hd + d];
     }
   }
   float* kd = keys.data_ptr<float>();
   float* vd = values.data_ptr<float>();
-  const int64_t k_slot = G * hd * max_len, v_slot = G * max_len * hd;
+  const int64_t k_block = G * hd * bs, v_block = G * bs * hd;  // floats per block (one layer)
   for (int64_t b = 0; b < B; ++b) {  // the new keys and values into the cache
     for (int64_t t = 0; t < T; ++t) {
-      const int64_t pos = length[b] + pending + t;
-      const float* row = qkv_data + (b * T + t) * width;
+      const int64_t pos = length[b] + pending + t, block = table[b * width + pos / bs], at = pos % bs;
+      const float* row = qkv_data + (b * T + t) * qkv_width;
       for (int64_t g = 0; g < G; ++g) {
         const float* k = row + (H + g) * hd;
         const float* v = row + (H + G + g) * hd;
-        float* kt = kd + slot[b] * k_slot + g * hd * max_len + pos;
-        for (int64_t d = 0; d < hd; ++d) kt[d * max_len] = k[d];
-        std::memcpy(vd + slot[b] * v_slot + (g * max_len + pos) * hd, v, hd * sizeof(float));
+        float* kt = kd + block * k_block + g * hd * bs + at;
+        for (int64_t d = 0; d < hd; ++d) kt[d * bs] = k[d];
+        std::memcpy(vd + block * v_block + (g * bs + at) * hd, v, hd * sizeof(float));
       }
     }
   }
@@ -230,22 +248,27 @@ void layer_step(torch::Tensor x, const torch::Tensor& input_norm, const torch::T
   float* attn_data = attn.data_ptr<float>();
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   at::parallel_for(0, BT * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(max_len), q(hd);
+    std::vector<float> scores(width * bs), q(hd);
+    std::vector<const float*> key_blocks(width), val_blocks(width);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t i = item / H, head = item % H, b = i / T, t = i % T, g = head / group;
       const int64_t prefix = length[b], L = prefix + fresh;
-      const float* src = qkv_data + i * width + head * hd;
+      const float* src = qkv_data + i * qkv_width + head * hd;
       for (int64_t d = 0; d < hd; ++d) q[d] = src[d] * scale;
-      const float* kt = kd + slot[b] * k_slot + g * hd * max_len;
-      const float* vals = vd + slot[b] * v_slot + g * max_len * hd;
+      for (int64_t n = 0; n * bs < L; ++n) {
+        const int64_t block = table[b * width + n];
+        key_blocks[n] = kd + block * k_block + g * hd * bs;
+        val_blocks[n] = vd + block * v_block + g * bs * hd;
+      }
       float* out = attn_data + i * H * hd + head * hd;
       if (mask != nullptr) {
         const bool* seen = mask + (b * T + t) * fresh;
-        attend_one(q.data(), kt, max_len, vals, L, hd,
+        attend_one(q.data(), key_blocks.data(), val_blocks.data(), bs, L, hd,
                    [&](int64_t j) { return j < prefix || seen[j - prefix]; }, scores.data(), out);
       } else {
         const int64_t last = prefix + pending + t;  // causal among the fresh positions
-        attend_one(q.data(), kt, max_len, vals, L, hd, [&](int64_t j) { return j <= last; }, scores.data(), out);
+        attend_one(q.data(), key_blocks.data(), val_blocks.data(), bs, L, hd, [&](int64_t j) { return j <= last; },
+                   scores.data(), out);
       }
     }
   });

@@ -23,6 +23,6 @@ void layer_step(torch::Tensor x, const torch::Tensor& input_norm, const torch::T
                 const std::vector<int64_t>& f_o, const std::vector<torch::Tensor>& w_gate_up,
                 const std::vector<int64_t>& f_gate_up, const std::vector<torch::Tensor>& w_down,
                 const std::vector<int64_t>& f_down, const torch::Tensor& cos, const torch::Tensor& sin,
-                torch::Tensor keys, torch::Tensor values, const torch::Tensor& slots, const torch::Tensor& lengths,
+                torch::Tensor keys, torch::Tensor values, const torch::Tensor& tables, const torch::Tensor& lengths,
                 int64_t pending, const c10::optional<torch::Tensor>& visible, int64_t num_heads,
                 int64_t num_kv_heads, int64_t new_tokens);

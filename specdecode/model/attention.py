@@ -56,7 +56,6 @@ class CacheContext:
         self.cache = cache
         slots = torch.arange(batch) if slots is None else slots.cpu()
         slot_list = slots.tolist()
-        # The rows as a slice when they are slots first..first+B-1 (read through views, no gather), else slots.
         first = slot_list[0]
         contiguous = slot_list == list(range(first, first + batch))
         lengths = cache.lengths[slots]  # [B], host
@@ -66,20 +65,27 @@ class CacheContext:
         length_list = lengths.tolist()
         fresh = pending + new_tokens  # positions after the committed prefix this forward can see
         self.context_len = max(length_list) + fresh
-        if self.context_len > cache.max_len:
-            raise ValueError(f"the KV cache holds {cache.max_len} positions per row; this step needs "
-                             f"{self.context_len}. Allocate a longer cache or generate fewer tokens.")
+        cache.reserve(slot_list, [n + fresh for n in length_list])  # blocks for the new positions (paged)
+        self.tables = cache.tables[slots]  # [B, width] the rows' blocks (host), for the fused layers
         same_length = min(length_list) == max(length_list)
         self.slots = slots.to(device)
-        self.rows = slice(first, first + batch) if contiguous else self.slots
-        # Start of every row's new tokens when it is the same for all rows and the rows are contiguous (one slice
-        # write), else None.
-        self.write_start = length_list[0] + pending if same_length and contiguous else None
         lengths = lengths.to(device)
         new = torch.arange(new_tokens, device=device)
         self.write_pos = lengths[:, None] + pending + new  # [B, T]
+        # Slots layout: the rows as a slice when they are slots first..first+B-1 (read through views, no gather),
+        # and the start of every row's new tokens when it is the same for all rows (one slice write), else None.
+        # Paged: the rows' block tables, and each new token's address.
+        self.write_start = None
+        if cache.paged:
+            self.rows = cache.gather_table(slots, self.context_len)  # [B, blocks]
+            self.write_at = cache.address(slots, self.write_pos)  # [B, T] blocks and offsets
+        else:
+            self.rows = slice(first, first + batch) if contiguous else self.slots
+            self.write_at = (self.slots[:, None].expand(batch, new_tokens), self.write_pos)
+            if same_length and contiguous:
+                self.write_start = length_list[0] + pending
         self.small_step = new_tokens <= SMALL_STEP_TOKENS
-        keys = cache.k[0]  # [slots, kv_heads, hd, max_len]
+        keys = cache.k[0]  # [blocks, kv_heads, hd, block_size]
         self.q_scale = torch.full((1,), keys.shape[2] ** -0.5, dtype=keys.dtype, device=device)  # see attention_over_cache
         self.is_causal = False  # a prefill from empty rows: causal attention over the new tokens only
         self.mask = None  # [B, 1, T, L] bool, True = may attend (scaled_dot_product_attention); None = all
@@ -115,7 +121,7 @@ class CacheContext:
         if self.write_start is not None:
             cache.write_block(layer, self.rows.start, self.write_start, k, v)
         else:
-            cache.write(layer, self.slots, self.write_pos, k, v)
+            cache.write(layer, *self.write_at, k, v)
         if self.is_causal:  # the context is exactly the new tokens
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         keys_t, values = cache.read(layer, self.rows, self.context_len)

@@ -213,11 +213,14 @@ class LlamaForCausalLM(nn.Module):
 
         return isinstance(self.lm_head, QuantLinear) and self.fused_layers(self.make_cache(1, 1)) is not None
 
-    def make_cache(self, slots: int, max_len: int) -> KVCache:
+    def make_cache(self, slots: int, max_len: int, block_size: int | None = None,
+                   num_blocks: int | None = None) -> KVCache:
+        """A KV cache of `slots` rows of up to max_len positions: paged in blocks of block_size (a pool of
+        num_blocks), or one preallocated block a row (block_size None)."""
         c = self.config
         kv_heads = self.model.layers[0].self_attn.num_kv_heads  # this rank's share under tensor parallelism
         return KVCache(c.num_hidden_layers, slots, kv_heads, max_len, c.head_dim,
-                       dtype=self.kv_dtype, device=self.device)
+                       dtype=self.kv_dtype, device=self.device, block_size=block_size, num_blocks=num_blocks)
 
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin (see apply_rotary) [B, T, 1, head_dim] for position ids [B, T]."""
@@ -260,7 +263,7 @@ class LlamaForCausalLM(nn.Module):
             visible = None if ctx.tree_mask is None else ctx.tree_mask.cpu()
             step, args, heads, kv_heads = fused
             for i, (layer_args, k, v) in enumerate(zip(args, cache.k, cache.v)):
-                step(x, *layer_args, cos, sin, k, v, ctx.slot_ids, ctx.lengths, ctx.pending, visible,
+                step(x, *layer_args, cos, sin, k, v, ctx.tables, ctx.lengths, ctx.pending, visible,
                                  heads, kv_heads, T)
                 if i in hidden_layers:
                     layer_hidden[i] = x.view(B, T, -1).clone()

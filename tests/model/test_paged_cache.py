@@ -1,0 +1,129 @@
+"""The paged KV cache: a position's keys and values are the same numbers whatever block they sit in, so a forward's
+logits are bitwise those of the slots layout (fused quantized kernels and the float path alike), blocks shared by
+content are copied before anyone writes into them, and the pool's counts always match the tables."""
+import pytest
+import torch
+
+from specdecode.model.blocks import CacheFull
+from specdecode.model.cache import KVCache
+from specdecode.model.quant import kernels, quantize_linears
+
+from tests.model.test_linear import tiny_model
+
+
+def model(quantized: bool):
+    m = tiny_model(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2)
+    if quantized:
+        if kernels() is None:
+            pytest.skip("the quantized kernels cannot be compiled here")
+        quantize_linears(m, "q8_0")
+        assert m.fused_layers(m.make_cache(1, 8)) is not None
+    return m
+
+
+def run(m, cache, prompts, steps):
+    """Prefill every prompt into its row (rows in a scrambled order), then decode `steps` chains of 3 tokens as
+    verify passes with a tree mask, committing a ragged subset; returns the logits of every pass."""
+    out = []
+    with torch.inference_mode():
+        for row in (2, 0, 1):
+            ids = torch.tensor([prompts[row]])
+            out.append(m(ids, cache=cache, slots=torch.tensor([row])).logits)
+            cache.advance(torch.tensor([row]), len(prompts[row]))
+        tree = torch.tensor([[True, False, False], [True, True, False], [True, False, True]])  # a root, two children
+        for step in range(steps):
+            ids = torch.tensor([[5 + step, 7, 9], [11, 13 + step, 2], [3, 4, 6 + step]])
+            out.append(m(ids, cache=cache, slots=torch.tensor([1, 2, 0]), tree_mask=tree.expand(3, 3, 3)).logits)
+            cache.commit(torch.tensor([1, 2, 0]), torch.tensor([[0, 2], [0, 1], [0, 0]]), torch.tensor([2, 2, 1]))
+    return out
+
+
+@pytest.mark.parametrize("quantized", [True, False])
+@pytest.mark.parametrize("block_size", [4, 5, 16])
+def test_paged_logits_are_bitwise_the_slots_layouts(quantized, block_size):
+    m = model(quantized)
+    prompts = [list(range(1, 12)), list(range(20, 26)), list(range(30, 53))]
+    slots = run(m, m.make_cache(3, 64), prompts, 6)
+    # a pool with spare blocks, and the first ones taken by rows allocated in another order: placement differs
+    paged_cache = m.make_cache(3, 64, block_size=block_size, num_blocks=40)
+    paged = run(m, paged_cache, prompts, 6)
+    assert paged_cache.paged and paged_cache.pool.used < 40
+    for a, b in zip(slots, paged):
+        assert torch.equal(a, b)
+    assert paged_cache.leak() is None
+    assert paged_cache.lengths.tolist() == [11 + 6, 6 + 12, 23 + 12]
+
+
+def test_blocks_follow_the_tokens_and_shared_blocks_are_copied_before_a_write():
+    m = model(True)
+    cache = m.make_cache(4, 64, block_size=4, num_blocks=12)
+    tokens = list(range(1, 11))  # 10 tokens: two full blocks and a partial one
+    with torch.inference_mode():
+        m(torch.tensor([tokens]), cache=cache, slots=torch.tensor([0]))
+        cache.advance(torch.tensor([0]), 10)
+    assert cache.pool.used == 3
+    cache.index(0, tokens)
+    assert len(cache.pool.key_of) == 2  # the full blocks, by content
+    blocks = cache.match(tokens + [99], limit=10)
+    assert blocks == cache.tables[0, :2].tolist()
+    assert cache.adopt(1, blocks) == 8 and cache.pool.used == 3  # shared, not copied
+    with torch.inference_mode():  # row 1 continues differently from position 8: a block of its own
+        own = m(torch.tensor([[50, 51, 52]]), cache=cache, slots=torch.tensor([1])).logits
+        cache.advance(torch.tensor([1]), 3)
+        # the same positions recomputed from scratch in a fresh row agree bit for bit
+        fresh = m.make_cache(1, 64)
+        m(torch.tensor([tokens[:8]]), cache=fresh)
+        fresh.advance(torch.tensor([0]), 8)
+        again = m(torch.tensor([[50, 51, 52]]), cache=fresh).logits
+    assert torch.equal(own, again)
+    assert cache.pool.used == 4 and cache.tables[1, :2].tolist() == blocks
+    # row 1 rolls back into a shared block and writes there: it gets a private copy, row 0 is untouched
+    cache.rollback(torch.tensor([1]), 6)
+    before = [k[blocks[1]].clone() for k in cache.k]
+    with torch.inference_mode():
+        m(torch.tensor([[60, 61]]), cache=cache, slots=torch.tensor([1]))
+    assert cache.tables[1, 1] != blocks[1]
+    assert all(torch.equal(k[blocks[1]], b) for k, b in zip(cache.k, before))
+    assert cache.leak() is None
+    cache.release(0)
+    cache.release(1)
+    assert cache.pool.used == 0 and len(cache.pool.cached) == 2  # the indexed blocks stay for later prompts
+    assert cache.match(tokens, limit=9) == blocks
+    assert cache.leak() is None
+
+
+def test_a_full_pool_refuses_before_changing_anything():
+    cache = KVCache(1, 2, 1, 32, 4, block_size=4, num_blocks=3)
+    cache.reserve([0], [8])
+    assert cache.pool.used == 2
+    with pytest.raises(CacheFull):
+        cache.reserve([0, 1], [12, 4])  # needs two, one is left
+    assert cache.pool.used == 2 and cache.tables[1].tolist() == [-1] * 8
+    with pytest.raises(ValueError, match="holds 32 positions"):
+        cache.reserve([1], [33])
+    # unreferenced indexed blocks stay cached, and are evicted (the end of a chain first) when nothing is empty
+    cache.lengths[0] = 8
+    cache.index(0, list(range(8)))
+    first = int(cache.tables[0, 0])
+    cache.release(0)
+    assert len(cache.pool.cached) == 2 and cache.pool.used == 0
+    cache.reserve([1], [4])
+    assert cache.pool.evictions == 0  # the empty block first
+    cache.reserve([0], [4])
+    assert cache.pool.evictions == 1 and cache.match(list(range(8)), 8) == [first]
+    assert cache.leak() is None
+
+
+def test_forks_share_full_blocks_and_copy_the_partial_one():
+    m = model(True)
+    cache = m.make_cache(3, 64, block_size=4, num_blocks=20)
+    with torch.inference_mode():
+        m(torch.tensor([list(range(1, 11))]), cache=cache, slots=torch.tensor([0]))
+        cache.advance(torch.tensor([0]), 10)
+        cache.copy_slot(0, [1, 2], 10)
+        assert cache.tables[1, :2].tolist() == cache.tables[0, :2].tolist() != cache.tables[1, :3].tolist()
+        assert cache.pool.used == 5
+        logits = m(torch.tensor([[7], [7], [7]]), cache=cache, slots=torch.tensor([0, 1, 2])).logits
+    assert torch.equal(logits[0], logits[1]) and torch.equal(logits[0], logits[2])
+    assert cache.leak() is None
