@@ -3,9 +3,12 @@
 Counts what the engine allocates per rank (rank 0, which also holds the proposer): the target's weights (its
 1/N share of every layer under tensor parallelism, embeddings and LM head whole) plus the derived copy that a
 packed linear backend keeps (oneDNN on x86 CPUs, see model/linear.py); the draft model or speculator heads; the KV
-caches (target and draft, static: every slot holds max_model_len plus one verified tree); and activations, taken
-at their peak: a prefill of every slot's full-length prompt at once, which the scheduler may run. A fraction of
-the budget (headroom, default 15%) is left unplanned for the allocator, fragmentation and the runtime.
+caches; and activations, taken at their peak. Paged (the default), the KV caches are one pool of blocks taking what
+the weights and activations leave (target and draft alike, so many positions each), the activations' peak is one
+prefill of MAX_PREFILL_TOKENS (longer prompts run in chunks of that) plus each sequence's step logits, and a
+configuration fits when one sequence of max_model_len fits the pool; in the slots layout every sequence holds
+max_model_len plus one verified tree, and the peak is a prefill of every slot's full-length prompt at once. A
+fraction of the budget (headroom, default 15%) is left unplanned for the allocator, fragmentation and the runtime.
 `specdecode plan` prints it; LLM(memory_budget=...) sizes its batch with it and refuses at start-up what does not
 fit.
 """
@@ -23,6 +26,10 @@ if TYPE_CHECKING:  # torch and the loader are imported where they are used: `spe
     import torch
 
 GiB = 1024 ** 3
+
+MAX_PREFILL_TOKENS = 4096
+"""The most tokens one prefill runs (a batch's rows padded to its longest): a longer prompt is prefilled in chunks
+of this many (engine/scheduler.py), which bounds the activations' peak of a paged plan."""
 
 DEFAULT_HEADROOM = 0.15
 """Fraction of the budget never planned for (the seeds' advice: keep 15-20%)."""
@@ -60,24 +67,83 @@ class MemoryPlan:
     """Peak activation bytes per sequence (a full-length prefill row and its share of a step's logits)."""
     tensor_parallel_size: int = 1
     """Ranks the target is sharded over."""
+    block_size: int | None = None
+    """Positions per block of the paged KV caches; None: the slots layout (a row of max_model_len a sequence)."""
+    activation_per_token: int = 0
+    """Activation bytes per prefilled token (a layer's live tensors)."""
+    step_logits: int = 0
+    """Activation bytes of one sequence's step logits (and processed probabilities)."""
+    draft_paged: bool = False
+    """Whether the draft's KV cache shares the paged layout (a draft model: yes; EAGLE's one-layer cache: no, it
+    keeps a row of max_model_len per sequence)."""
 
     def kv_per_seq(self) -> int:
         return sum(m.kv_per_position * (self.max_model_len + m.kv_extra_positions) for m in (self.target, self.draft))
 
+    def kv_per_position(self) -> int:
+        """KV bytes of one position in every paged cache (the target's, and a draft model's)."""
+        return self.target.kv_per_position + (self.draft.kv_per_position if self.draft_paged else 0)
+
+    def unpaged_kv(self, seqs: int | None = None) -> int:
+        """Paged plan: KV bytes of a draft cache kept in rows (EAGLE's), max_model_len and its tree room a row."""
+        if self.draft_paged:
+            return 0
+        seqs = self.max_num_seqs if seqs is None else seqs
+        return seqs * self.draft.kv_per_position * (self.max_model_len + self.draft.kv_extra_positions)
+
+    def row_extra(self, seqs: int | None = None) -> int:
+        """KV bytes of every row's tree room in the paged caches (positions a step writes beyond its tokens)."""
+        seqs = self.max_num_seqs if seqs is None else seqs
+        paged = (self.target, self.draft) if self.draft_paged else (self.target,)
+        bs = self.block_size or 1  # (in whole blocks)
+        return seqs * sum(m.kv_per_position * -(-m.kv_extra_positions // bs) * bs for m in paged)
+
+    def pool_positions(self) -> int:
+        """Paged: positions the pool holds (in whole blocks) once weights, activations and tree rooms are planned."""
+        left = (self.usable() - self.target.weights - self.draft.weights - self.activations() - self.row_extra()
+                - self.unpaged_kv())
+        positions = max(0, left) // max(1, self.kv_per_position())
+        return positions // self.block_size * self.block_size
+
+    def num_blocks(self) -> int:
+        """Paged: blocks of the target's pool (the positions, and every row's tree room)."""
+        room = -(-self.target.kv_extra_positions // self.block_size)
+        return self.pool_positions() // self.block_size + self.max_num_seqs * room
+
+    def sessions(self, tokens: int) -> int:
+        """Sequences of `tokens` tokens the KV caches hold at once (paged: the pool; slots: max_num_seqs if they fit
+        a row)."""
+        if self.block_size is None:
+            return self.max_num_seqs if tokens <= self.max_model_len else 0
+        return self.pool_positions() // tokens
+
     def kv(self, seqs: int | None = None) -> int:
+        if self.block_size is not None:  # the whole pool, allocated at start-up
+            return self.pool_positions() * self.kv_per_position() + self.row_extra(seqs) + self.unpaged_kv(seqs)
         return self.kv_per_seq() * (self.max_num_seqs if seqs is None else seqs)
 
     def activations(self, seqs: int | None = None) -> int:
+        if self.block_size is not None:
+            prefill = min(self.max_model_len, MAX_PREFILL_TOKENS) * self.activation_per_token
+            return prefill + self.step_logits * (self.max_num_seqs if seqs is None else seqs)
         return self.activation_per_seq * (self.max_num_seqs if seqs is None else seqs)
 
     def usable(self) -> int:
         return int(self.budget * (1 - self.headroom))
 
     def needed(self, seqs: int | None = None) -> int:
+        """Bytes planned (paged: weights, activations and a pool that holds one sequence of max_model_len)."""
+        if self.block_size is not None:
+            return (self.target.weights + self.draft.weights + self.activations(seqs) + self.row_extra(seqs)
+                    + self.unpaged_kv(seqs) + self.max_model_len * self.kv_per_position())
         return self.target.weights + self.draft.weights + self.kv(seqs) + self.activations(seqs)
 
     def largest_batch(self) -> int:
-        """The most sequences of max_model_len that fit the usable budget (0: not even one)."""
+        """The most sequences that may run at once (0: not even one): slots, those of max_model_len that fit the
+        usable budget; paged, max_num_seqs when the pool holds one sequence of max_model_len (rows cost no memory
+        of their own: the pool's blocks follow the tokens)."""
+        if self.block_size is not None:
+            return self.max_num_seqs if self.pool_positions() >= self.max_model_len else 0
         free = self.usable() - self.target.weights - self.draft.weights
         return max(0, free // (self.kv_per_seq() + self.activation_per_seq))
 
@@ -88,18 +154,23 @@ class MemoryPlan:
     def refusal(self) -> str:
         """Why the configuration does not fit, and what to change."""
         largest = self.largest_batch()
-        fix = (f"lower --max-num-seqs to {largest}" if largest else
+        fix = (f"lower --max-num-seqs to {largest}" if largest and self.block_size is None else
                "not even one sequence fits: shorten --max-model-len, use a smaller dtype or more tensor-parallel ranks")
         return (f"this configuration needs {self.needed() / GiB:.2f} GiB per rank but "
                 f"{self.usable() / GiB:.2f} GiB may be planned ({self.budget / GiB:.2f} GiB less "
                 f"{self.headroom:.0%} headroom); {fix}, or give more memory")
 
     def render(self) -> str:
+        paged = self.block_size is not None
+        kv = (f"KV cache pool ({self.num_blocks()} blocks of {self.block_size}, paged)" if paged
+              else f"KV cache ({self.max_num_seqs} x {self.max_model_len} positions)")
+        peak = (f"activations (peak: a {min(self.max_model_len, MAX_PREFILL_TOKENS)}-token prefill)" if paged
+                else "activations (peak: prefill of every slot)")
         rows = [("target weights" + (f" (1/{self.tensor_parallel_size} of the layers)"
                                      if self.tensor_parallel_size > 1 else ""), self.target.weights),
                 ("draft / heads weights", self.draft.weights),
-                (f"KV cache ({self.max_num_seqs} x {self.max_model_len} positions)", self.kv()),
-                ("activations (peak: prefill of every slot)", self.activations()),
+                (kv, self.kv()),
+                (peak, self.activations()),
                 ("total needed", self.needed()),
                 (f"budget per rank less {self.headroom:.0%} headroom", self.usable())]
         lines = [f"{name:<48} {value / GiB:9.3f} GiB" for name, value in rows]
@@ -109,7 +180,12 @@ class MemoryPlan:
                          f" ({(self.budget - self.needed()) / self.budget:.0%} of the budget unused in all)")
         else:
             lines.append(f"{'short by':<48} {-left / GiB:9.3f} GiB")
-        lines.append(f"largest batch at {self.max_model_len} positions: {self.largest_batch()} sequences")
+        if paged:
+            lines.append(f"the pool holds {self.pool_positions():,} positions: "
+                         f"{self.pool_positions() // self.max_model_len} sequences of {self.max_model_len}, "
+                         f"{self.sessions(1000)} of 1,000 tokens; up to {self.max_num_seqs} run at once")
+        else:
+            lines.append(f"largest batch at {self.max_model_len} positions: {self.largest_batch()} sequences")
         return "\n".join(lines)
 
 
@@ -186,8 +262,10 @@ def head_memory(folder: Path, target: ModelConfig, itemsize: int, kv_itemsize: i
 
 def plan_memory(model_dir: str | Path, budget: int, max_model_len: int | None, max_num_seqs: int,
                 speculative=None, dtype: str = "auto", device: str | None = None, tensor_parallel_size: int = 1,
-                headroom: float = DEFAULT_HEADROOM, quantization: str | None = None) -> MemoryPlan:
-    """The plan of a configuration (speculative: a parsed SpeculativeConfig or None)."""
+                headroom: float = DEFAULT_HEADROOM, quantization: str | None = None,
+                block_size: int | None = None) -> MemoryPlan:
+    """The plan of a configuration (speculative: a parsed SpeculativeConfig or None; block_size: paged KV caches,
+    None: the slots layout; tensor parallelism always runs the slots layout)."""
     from specdecode.parallel.tp import check_divisible
     from specdecode.model.linear import resolve_backend
     from specdecode.model.loading import read_config, resolve_device, resolve_dtype
@@ -227,7 +305,8 @@ def plan_memory(model_dir: str | Path, budget: int, max_model_len: int | None, m
     per_token = (5 * d + qkv + 3 * config.intermediate_size // tp) * itemsize  # a layer's live tensors
     step_logits = (1 + tree) * config.vocab_size * 4 * 2  # float32 logits and processed probabilities
     activation_per_seq = max_model_len * per_token + step_logits
-    return MemoryPlan(budget, headroom, max_model_len, max_num_seqs, target, draft, activation_per_seq, tp)
+    return MemoryPlan(budget, headroom, max_model_len, max_num_seqs, target, draft, activation_per_seq, tp,
+                      block_size if tp == 1 else None, per_token, step_logits, counted == "decoder")
 
 
 def memory_budget_bytes(device: torch.device, memory_budget: int | None,

@@ -50,14 +50,24 @@ def test_plan_agrees_with_what_the_engine_allocates(tiny_models, eagle_head, met
 
 
 def test_a_budget_sizes_the_batch_and_too_small_a_budget_is_refused(tiny_models):
+    """Slots layout: the budget caps the sequences (each holds max_model_len). Paged: it sizes the pool, which
+    holds far more sequences of the length requests actually have, and any number of rows may share it."""
     plan = plan_memory(tiny_models["target"], 64 * MiB, 256, 1000, dtype="float32", device="cpu")
     largest = plan.largest_batch()
     assert 1 < largest < 1000 and not plan.fits
     assert f"lower --max-num-seqs to {largest}" in plan.refusal()
     llm = LLM(str(tiny_models["target"]), dtype="float32", device="cpu", max_num_seqs=1000, max_model_len=256,
-              memory_budget=64 * MiB)
+              memory_budget=64 * MiB, block_size=None)
     assert llm.max_num_seqs == largest
     assert llm.runner.cache.num_slots == largest  # allocated at start-up
+    paged = plan_memory(tiny_models["target"], 64 * MiB, 256, 1000, dtype="float32", device="cpu", block_size=16)
+    assert paged.fits and paged.largest_batch() == 1000
+    assert paged.sessions(256) > 1.5 * largest  # activations are one prefill's, not every row's full-length one
+    llm = LLM(str(tiny_models["target"]), dtype="float32", device="cpu", max_num_seqs=1000, max_model_len=256,
+              memory_budget=64 * MiB)
+    assert llm.max_num_seqs == 1000 and llm.runner.cache.paged
+    assert llm.runner.cache.num_blocks == paged.num_blocks()
+    assert abs(cache_bytes(llm.runner.cache) - paged.kv()) <= 0.1 * paged.kv()
     with pytest.raises(ConfigError, match="not even one sequence fits"):
         LLM(str(tiny_models["target"]), dtype="float32", device="cpu", max_model_len=256, memory_budget=MiB)
     with pytest.raises(ConfigError, match="gpu_memory_utilization applies to CUDA"):
@@ -69,7 +79,12 @@ def test_plan_command(tiny_models, capsys):
             "--max-model-len", "256", "--max-num-seqs", "8"]
     assert main(args + ["--device-memory", "1"]) == 0
     out = capsys.readouterr().out
-    for row in ("target weights", "KV cache (8 x 256 positions)", "activations", "largest batch at 256 positions"):
+    for row in ("target weights", "KV cache pool (", "blocks of 16, paged)", "activations", "the pool holds",
+                "sequences of 256", "up to 8 run at once"):
+        assert row in out
+    assert main(args + ["--device-memory", "1", "--block-size", "0"]) == 0
+    out = capsys.readouterr().out
+    for row in ("KV cache (8 x 256 positions)", "largest batch at 256 positions"):
         assert row in out
     assert main(args + ["--device-memory", "0.001"]) == 1
     assert "does not fit" in capsys.readouterr().out

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from specdecode.cli.types import GIB, MAX_NUM_SEQS, float_range, int_range
+from specdecode.model.blocks import BLOCK_SIZE
 from specdecode.plan import DEFAULT_HEADROOM, GiB, device_memory, plan_memory
 
 
@@ -22,6 +23,9 @@ def register(sub) -> None:
                         "available now)")
     p.add_argument("--tensor-parallel-size", type=int_range(1, 1024), default=1,
                    help="ranks the target is sharded over")
+    p.add_argument("--block-size", type=int_range(0, 1024), default=BLOCK_SIZE,
+                   help=f"positions per block of the paged KV cache (default {BLOCK_SIZE}); 0: one row of "
+                        "--max-model-len per sequence (the slots layout)")
     p.add_argument("--headroom", type=float_range(0.0, 1.0, hi_open=True), default=DEFAULT_HEADROOM,
                    help=f"fraction of the memory never planned for (default {DEFAULT_HEADROOM})")
     p.set_defaults(func=cmd_plan, compare=False)
@@ -39,7 +43,8 @@ def cmd_plan(args) -> int:
     quantization = resolve_quantization(args.quantization, model_dir, device, args.tensor_parallel_size)
     plan = plan_memory(model_dir, int(args.device_memory * GiB), args.max_model_len, args.max_num_seqs,
                        SpeculativeConfig.parse(config), args.dtype, args.device, args.tensor_parallel_size,
-                       args.headroom, quantization=quantization)
+                       args.headroom, quantization=quantization,
+                       block_size=(args.block_size or None) if args.tensor_parallel_size == 1 else None)
     method = config["method"] if config else "none"
     print(f"{name}, speculation: {method}, tensor parallel: {args.tensor_parallel_size}, "
           f"{args.device_memory:.4g} GiB per rank")

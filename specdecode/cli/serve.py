@@ -10,6 +10,7 @@ from pathlib import Path
 
 from specdecode.cli.model_flags import add_model_args, add_quantization_arg
 from specdecode.cli.scaleout import add_replica_args, add_scaleout_args, scaleout_kwargs
+from specdecode.model.blocks import BLOCK_SIZE
 from specdecode.cli.types import MAX_NUM_SEQS, PORT, POSITIVE, SECONDS, float_range, int_range
 from specdecode.errors import ConfigError
 from specdecode.server.limits import ServerLimits
@@ -54,8 +55,11 @@ def register(sub) -> None:
     p.add_argument("--max-model-len", type=int_range(2), default=None,
                    help="context length (default: the model's)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="reuse the keys and values a free cache slot holds of a new prompt's beginning: a chat's "
-                        "next turn, a shared system prompt (default on)")
+                   help="share the keys and values the cache holds of a new prompt's beginning, from running and "
+                        "finished requests: a chat's next turn, a shared system prompt (default on)")
+    p.add_argument("--block-size", type=int_range(0, 1024), default=BLOCK_SIZE,
+                   help=f"positions per block of the paged KV cache: memory follows the tokens held (default "
+                        f"{BLOCK_SIZE}); 0: one preallocated row of --max-model-len per sequence")
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                    help="prefill a long prompt that arrives while others decode in chunks between their steps "
                         "(default on)")
@@ -156,7 +160,8 @@ def size_batch(args, model_dir, config) -> Sizing:
     quantization = resolve_quantization(args.quantization, model_dir, device, args.tensor_parallel_size)
     def plan_for(max_model_len):
         return plan_memory(model_dir, budget, max_model_len, wanted, spec, args.dtype, args.device,
-                           args.tensor_parallel_size, quantization=quantization)
+                           args.tensor_parallel_size, quantization=quantization,
+                           block_size=(args.block_size or None) if args.tensor_parallel_size == 1 else None)
 
     plan = plan_for(args.max_model_len)
     largest = plan.largest_batch()
@@ -206,8 +211,14 @@ def configuration_line(llm, name: str, sizing: Sizing) -> str:
     weights = quantized_format(llm.target)
     if weights is not None:
         dtype = f"{weights} weights, {dtype} activations"
-    return (f"{name}: {dtype} on {llm.device}, {threads} thread{'s' if threads > 1 else ''}, "
-            f"{llm.max_num_seqs} sequences x {llm.max_model_len} positions, {spec}{memory}")
+    cache = llm.runner.cache
+    if cache is not None and getattr(cache, "paged", False):
+        sizes = (f"up to {llm.max_num_seqs} sequences of up to {llm.max_model_len} positions in a KV pool of "
+                 f"{cache.num_blocks * cache.block_size:,} positions (blocks of {cache.block_size})")
+    else:
+        sizes = f"{llm.max_num_seqs} sequences x {llm.max_model_len} positions"
+    return (f"{name}: {dtype} on {llm.device}, {threads} thread{'s' if threads > 1 else ''}, {sizes}, "
+            f"{spec}{memory}")
 
 
 def cmd_serve(args) -> int:
@@ -233,7 +244,8 @@ def cmd_serve(args) -> int:
                       quantization=args.quantization,
                       max_num_seqs=args.max_num_seqs or DEFAULT_MAX_NUM_SEQS, max_model_len=args.max_model_len,
                       enable_prefix_caching=args.enable_prefix_caching,
-                      enable_chunked_prefill=args.enable_chunked_prefill, **scaleout_kwargs(args))
+                      enable_chunked_prefill=args.enable_chunked_prefill, block_size=args.block_size or None,
+                      **scaleout_kwargs(args))
     name = args.served_model_name or model_name
     if replicas:  # Ray Serve: each replica builds its engine
         from specdecode.server.ray_serve import ReplicaSettings, deployment_settings, serve_replicas

@@ -290,8 +290,9 @@ class AsyncEngine:
         metrics = self.metrics
         for seq in out.prefilled:
             metrics.prompt_tokens.inc(seq.num_prompt)
-            metrics.prefix_cache_queries.inc(seq.num_prompt)
+            metrics.prefix_cache_queries.inc(seq.prefill_tokens)
             metrics.prefix_cache_hits.inc(seq.reused)
+        metrics.preemptions.inc(out.preempted)
         emitted = []
         for seq in out.prefilled + out.stepped:
             stream = self._requests.get(seq.request_id)

@@ -20,6 +20,7 @@ from specdecode.engine.scheduler import Scheduler
 from specdecode.engine.sequence import RequestOutput, Sequence, SpecStats
 from specdecode.engine.step import StepRunner
 from specdecode.errors import ConfigError
+from specdecode.model.cache import BLOCK_SIZE
 from specdecode.model.loading import resolve_device, resolve_quantization
 from specdecode.model.tokenizer import Tokenizer
 from specdecode.catalog.registry import default_speculative_config, model_name, resolve_model
@@ -35,7 +36,8 @@ class LLM:
                  max_model_len: int | None = None, quantization: str | None = "auto", tensor_parallel_size: int = 1,
                  draft_tensor_parallel_size: int | None = None, memory_budget: int | None = None,
                  gpu_memory_utilization: float | None = None, threads: int | None = None,
-                 enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True):
+                 enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
+                 block_size: int | None = BLOCK_SIZE):
         """model: a model name (default: smollm2-135m-instruct, fetched on first use), a .gguf file, or a
         Hugging Face checkpoint directory.
         speculative_config: vLLM-style dict, e.g. {"method": "ngram", "num_speculative_tokens": 8}; None (default)
@@ -54,8 +56,12 @@ class LLM:
         the caches are allocated now, and a configuration where not even one fits is refused here.
         threads: CPU threads for torch (torch.set_num_threads, for the whole process; default: torch's choice; on
         a CPU shared with other work, 1 is often fastest for a small model).
-        enable_prefix_caching: a cache slot keeps its keys and values when its request leaves, and a later prompt
-        that begins with them prefills only the rest (engine/prefix_cache.py; vLLM's name).
+        enable_prefix_caching: keys and values of full blocks stay indexed by their tokens (while their request runs
+        and after it leaves), and a later prompt that begins with them shares them and prefills only the rest
+        (engine/prefix_cache.py; vLLM's name).
+        block_size: positions per block of the paged KV cache (memory follows the tokens held; vLLM's name);
+        None: one preallocated row of max_model_len per sequence (the slots layout; always so under tensor
+        parallelism).
         enable_chunked_prefill: a long prompt that arrives while other requests decode is prefilled in chunks of
         about one step's time between their steps, instead of stalling them for its whole prefill."""
         if threads is not None:
@@ -74,9 +80,12 @@ class LLM:
         self.spec_config = SpeculativeConfig.parse(with_shipped_speculator(speculative_config, model))
         quantization = resolve_quantization(quantization, self.model_dir, self.device, tensor_parallel_size)
         self.quantization = quantization
+        if block_size is not None and (not isinstance(block_size, int) or block_size < 1):
+            raise ConfigError(f"block_size must be a positive integer or None, got {block_size!r}")
+        block_size = block_size if tensor_parallel_size == 1 else None
         self.plan, max_num_seqs = plan_batch(self.model_dir, self.spec_config, dtype, self.device, max_num_seqs,
                                              max_model_len, tensor_parallel_size, quantization, memory_budget,
-                                             gpu_memory_utilization)
+                                             gpu_memory_utilization, block_size)
         self.tensor_parallel_size = tensor_parallel_size
         self.target = load_target(self.model_dir, dtype, self.device, quantization, tensor_parallel_size,
                                   draft_tensor_parallel_size)
@@ -88,6 +97,9 @@ class LLM:
                                        self.model_dir)
         self.runner = StepRunner(self.target, self.proposer)
         self.runner.prefix_caching = bool(enable_prefix_caching)
+        self.runner.block_size = block_size
+        if self.plan is not None and block_size is not None:
+            self.runner.num_blocks = self.plan.num_blocks()
         self.runner.chunked_prefill = bool(enable_chunked_prefill)
         controller = None
         if self.spec_config and self.spec_config.adaptive:

@@ -50,10 +50,13 @@ class EngineMetrics:
         """The label of the by-method counters (watch() sets the engine's)."""
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens prefilled.", registry=r)
         self.prefix_cache_queries = Counter(PREFIX + "prefix_cache_queries",
-                                            "Prompt tokens of requests that took a cache slot (vLLM's name).",
-                                            registry=r)
+                                            "Tokens of the sequences prefilled (a preempted one again when it "
+                                            "rejoins; vLLM's name).", registry=r)
         self.prefix_cache_hits = Counter(PREFIX + "prefix_cache_hits",
-                                         "Of those, tokens whose keys and values the slot already held.", registry=r)
+                                         "Of those, tokens whose keys and values the cache already held.", registry=r)
+        self.preemptions = Counter(PREFIX + "num_preemptions",
+                                   "Running requests whose KV blocks were taken back when the pool ran short "
+                                   "(recomputed when they rejoin; vLLM's name).", registry=r)
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.", registry=r)
         self.requests = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
                                 ["finished_reason"], registry=r)
@@ -89,8 +92,15 @@ class EngineMetrics:
         self.batch_size = Histogram(PREFIX + "decode_batch_size", "Sequences per decode step.",
                                     buckets=_BATCH_BUCKETS, registry=r)
         self.kv_usage = Gauge(PREFIX + "kv_cache_usage_perc",
-                              "Share (0-1) of the KV cache's positions (slots x context) that hold tokens.",
-                              registry=r)
+                              "Share (0-1) of the KV cache in use: paged, blocks referenced by a request; slots "
+                              "layout, positions (slots x context) that hold tokens.", registry=r)
+        self.blocks_used = Gauge(PREFIX + "kv_cache_blocks_used", "Paged KV-cache blocks referenced by requests.",
+                                 registry=r)
+        self.blocks_cached = Gauge(PREFIX + "kv_cache_blocks_cached",
+                                   "Paged KV-cache blocks no request holds that keep indexed content (a later prompt "
+                                   "may share them; evicted first when the pool needs room).", registry=r)
+        self.blocks_free = Gauge(PREFIX + "kv_cache_blocks_free",
+                                 "Paged KV-cache blocks a request can take now (empty and cached).", registry=r)
         self._plain_equivalent = 0.0  # decayed seconds plain decoding would have taken for the same tokens
         self._actual = 0.0  # decayed seconds actually taken
 
@@ -99,11 +109,23 @@ class EngineMetrics:
         sequences (its slots of max_model_len positions); method names the by-method counters (None = plain); a
         proposer that combines sources (auto: `counts`, source -> [proposed, accepted]) gives the by-source ones."""
         capacity = scheduler.num_slots * max_model_len
+        runner = scheduler.runner
 
         def kv_usage() -> float:  # the scrape's thread: copy the list the engine thread changes
+            if runner.paged:
+                pool = runner.cache.pool
+                return pool.used / pool.num_blocks
             return sum(len(seq.token_ids) for seq in list(scheduler.running)) / capacity
 
+        def pool_figure(name: str):
+            def read() -> float:
+                return getattr(runner.cache.pool, name) if runner.paged else 0.0
+            return read
+
         self.kv_usage.set_function(kv_usage)
+        self.blocks_used.set_function(pool_figure("used"))
+        self.blocks_free.set_function(pool_figure("available"))
+        self.blocks_cached.set_function(lambda: len(runner.cache.pool.cached) if runner.paged else 0.0)
         self.method = method or "none"
         counts = getattr(proposer, "counts", None)
         if isinstance(counts, dict):

@@ -1,12 +1,16 @@
-"""Prefix caching: a cache slot keeps its keys and values after its request leaves, and a new request whose prompt
-begins with what a free slot holds takes that slot and prefills only the rest.
+"""Prefix caching and the cache's rows.
 
-The caches are preallocated (one row of max_len positions per slot), so what is kept is bounded by the free slots:
-taking a slot for a request evicts whatever it held, and the pool gives away the least recently released content
-first. A chat's next turn (the history, the model's answer, a new message) finds the slot its previous turn left;
-requests that share a long system prompt find it in any slot an earlier one of them left. The reused positions are
-the target's own keys and values for the same tokens: with the batch-invariant kernels (the default) they are the
-numbers a fresh prefill would compute, bit for bit, so outputs are the same with the cache on or off.
+Paged (the default, model/cache.py): every full block of keys and values is indexed by its content (the tokens up
+to its end), and a joining request whose tokens begin with indexed blocks shares them read-only and prefills only
+the rest - blocks of running requests as well as of finished ones, which stay in the pool until it needs the room
+(least recently released first). Slots layout: a row keeps its keys and values after its request leaves, and a new
+request whose prompt begins with what a free row holds takes that row and prefills only the rest.
+
+Either way a chat's next turn finds what its previous turn left, and requests that share a long system prompt find
+it. The reused positions are the target's own keys and values for the same tokens: with the batch-invariant
+kernels (the default) they are the numbers a fresh prefill would compute, bit for bit, so outputs are the same with
+the cache on or off. SlotPool hands out the rows and remembers what each free row held last (in the slots layout
+that is the reusable content; paged, EAGLE's own per-row state still follows it).
 """
 from __future__ import annotations
 
@@ -27,6 +31,8 @@ class PrefixStats:
     chunks: int = 0
     """Chunks of long prompts prefilled between other sequences' steps (chunked prefill; the last one of each
     prompt is its ordinary prefill and is not counted)."""
+    preemptions: int = 0
+    """Running sequences whose blocks were taken back when the pool ran short (recomputed when they rejoin)."""
 
 
 class SlotPool:
@@ -59,14 +65,18 @@ class SlotPool:
     def __len__(self) -> int:
         return len(self.empty) + len(self.held)
 
-    def take(self, prompt: list[int]) -> tuple[int, int]:
-        """A free slot for a request with this prompt, and how many of its first tokens that slot already holds
-        (at most len(prompt) - 1: the last prompt token is always run, for its logits)."""
-        slot, reused = self.choose(prompt)
+    def take_slot(self, slot: int) -> None:
+        """Take this free slot (one that choose() returned)."""
         if slot in self.held:
             del self.held[slot]
         else:
             self.empty.remove(slot)
+
+    def take(self, prompt: list[int]) -> tuple[int, int]:
+        """A free slot for a request with this prompt, and how many of its first tokens that slot already holds
+        (at most len(prompt) - 1: the last prompt token is always run, for its logits)."""
+        slot, reused = self.choose(prompt)
+        self.take_slot(slot)
         return slot, reused
 
     def choose(self, prompt: list[int]) -> tuple[int, int]:

@@ -1,9 +1,18 @@
-"""Continuous batching: sequences join and leave between steps, each one holding a cache slot while it runs.
+"""Continuous batching: sequences join and leave between steps, each one holding a cache row (and, paged, the
+blocks its tokens fill) while it runs.
 
 Both the offline `LLM.generate` loop and the server's background engine drive this one scheduler; an iteration
-either prefills the sequences that just got a slot or runs one speculative step for every running sequence, and
-then one chunk of a long prompt that arrived while others were decoding (chunked prefill). A joining sequence takes
-the free slot that holds the longest beginning of its prompt and prefills only the rest (engine/prefix_cache.py).
+either prefills the sequences that just got a row or runs one speculative step for every running sequence, and
+then one chunk of a long prompt that arrived while others were decoding (chunked prefill). A joining sequence
+reuses the keys and values the cache holds of its prompt's beginning and prefills only the rest
+(engine/prefix_cache.py).
+
+Paged, memory is admitted by blocks: a request joins when the blocks of its prompt and first step fit beside what
+the running ones need for their next step; requests that share a beginning not yet in the cache join one after the
+other, so that the first one's blocks are shared by the rest (a system prompt prefilled once per wave). When a step
+needs more blocks than the pool has left, the most recently admitted request is preempted: its full blocks stay
+indexed, its row is freed, and it waits at the front of the queue to be recomputed from its tokens - with the
+batch-invariant kernels, into the same numbers, so its output is unchanged.
 
 When a prefill or a step raises, every slot it took is released. The server's scheduler (isolate_failures) then
 finds the request at fault instead of failing the whole batch: if the step failed before it changed anything, its
@@ -15,6 +24,7 @@ import collections
 import dataclasses
 import time
 from specdecode.engine.budget import DraftBudget
+from specdecode.plan import MAX_PREFILL_TOKENS
 from specdecode.engine.sequence import Sequence, SpecStats
 from specdecode.engine.step import StepReport, StepRunner
 
@@ -37,6 +47,8 @@ class SchedulerOutput:
     """Seconds the iteration took."""
     failed: list[tuple[Sequence, Exception]] = dataclasses.field(default_factory=list)
     """Sequences dropped because the iteration raised on them (their slots are free again), with the error."""
+    preempted: int = 0
+    """Sequences preempted this iteration (back in the queue, to be recomputed)."""
 
 
 CHUNKED_PREFILL_ABOVE = 256
@@ -94,6 +106,8 @@ class Scheduler:
         held = len(free) + len(self.running) + len(self.prefilling)
         if held != self.pool.size or len(set(free)) != len(free):
             return f"cache slots leaked: {len(free)} free and {len(self.running)} running of {self.pool.size}"
+        if self.runner.paged and not self.running and not self.prefilling and self.runner.cache.pool.used:
+            return f"KV-cache blocks leaked: {self.runner.cache.pool.used} held with no request running"
         return None
 
     def add(self, seq: Sequence) -> None:
@@ -119,44 +133,100 @@ class Scheduler:
         return dropped
 
     def _release(self, seq: Sequence, reusable: bool = True) -> None:
-        """A sequence leaves; its slot keeps what its cache rows hold for a later prompt that begins the same way
-        (reusable False: after a failure, when they may be half written)."""
+        """A sequence leaves; what its cache row holds stays for a later prompt that begins the same way
+        (reusable False: after a failure, when it may be half written)."""
         if seq in self.running:
             self.running.remove(seq)
         if seq in self.prefilling:
             self.prefilling.remove(seq)
         self.runner.release(seq)
-        if seq.slot >= 0:
-            held = int(self.runner.cache.lengths[seq.slot]) if reusable else 0
-            self.pool.give_back(seq.slot, seq.token_ids[:held])
-            seq.slot = -1
+        self.runner.free_row(seq, reusable)
         if self.budget.controller is not None:
             self.budget.controller.forget(seq.request_id)
         self.totals.merge(seq.stats)
 
+    def _preempt(self, seq: Sequence) -> None:
+        """Take a running (or prefilling) sequence's row and blocks back; it rejoins first, recomputed from its
+        tokens (the full blocks it leaves indexed are likely still there)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.prefilling:
+            self.prefilling.remove(seq)
+        self.runner.release(seq)
+        self.runner.free_row(seq)
+        seq.prefilled = seq.reused = 0
+        self.waiting.appendleft(seq)
+        self.pool.stats.preemptions += 1
+
     def _take_joining(self) -> list[Sequence]:
+        runner = self.runner
         joining = []
         longest = deepest = 0  # over `joining`: the most new tokens of a row, the longest reused prefix
+        sharing = [s for s in self.prefilling]  # whose blocks later joiners with the same beginning should wait for
         while (self.waiting and len(self.pool)
                and len(self.running) + len(self.prefilling) + len(joining) < self.num_slots
                and not (self.prefill_alone and joining)):
             seq = self.waiting[0]
-            slot, reused = self.pool.choose(seq.token_ids)
-            reused = self.runner.reusable(slot, reused)
+            slot, reused, blocks = runner.place(seq)
             new_longest, new_deepest = max(longest, len(seq.token_ids) - reused), max(deepest, reused)
-            if joining and new_deepest + new_longest > self.runner.cache.max_len:
+            if joining and (new_deepest + new_longest > runner.cache.max_len
+                            or (len(joining) + 1) * new_longest > MAX_PREFILL_TOKENS):
                 break  # it would not fit beside these: it joins in the next prefill
+            if runner.paged:
+                if runner.prefix_caching and self._shares_unindexed(seq, reused, joining + sharing):
+                    break  # it begins as one that is being prefilled: it joins when those blocks are indexed
+                chunked = self._chunked(seq, reused)
+                width = len(seq.token_ids) - reused if chunked else new_longest  # a batch is padded to its longest
+                need = runner.admission_blocks(seq, blocks, reused + width)
+                if not chunked:  # the rows already joining take more too, padded to the new width
+                    need += sum(runner.admission_blocks(s, [], s.prefilled + new_longest)
+                                - runner.admission_blocks(s, [], s.prefilled + longest) for s in joining)
+                busy = len(self.running) + len(self.prefilling) + len(joining)
+                if need + runner.step_headroom(busy) > runner.cache.pool.available:
+                    break  # not enough blocks yet: it waits for others to finish
             self.waiting.popleft()
-            seq.slot, _ = self.pool.take(seq.token_ids)
-            seq.reused = seq.prefilled = reused
-            if (self.runner.chunked_prefill and len(seq.token_ids) - reused > CHUNKED_PREFILL_ABOVE
-                    and (self.running or self.prefilling)):
+            runner.take(seq, slot, reused, blocks)
+            if self._chunked(seq, reused):
                 self.prefilling.append(seq)  # a long prompt while others decode: in chunks, between their steps
+                sharing.append(seq)
             else:
                 joining.append(seq)
                 longest, deepest = new_longest, new_deepest
         self.prefill_alone = max(0, self.prefill_alone - len(joining))
         return joining
+
+    def _chunked(self, seq: Sequence, reused: int) -> bool:
+        """Whether a joining prompt is prefilled in chunks: one of more than MAX_PREFILL_TOKENS always (the
+        activations' bound), a long one while others decode (so as not to stall them)."""
+        left = len(seq.token_ids) - reused
+        return left > MAX_PREFILL_TOKENS or (self.runner.chunked_prefill and left > CHUNKED_PREFILL_ABOVE
+                                             and bool(self.running or self.prefilling))
+
+    def _shares_unindexed(self, seq: Sequence, reused: int, others: list[Sequence]) -> bool:
+        """Whether seq's next full block after what it reuses is one that another joining or prefilling sequence is
+        about to compute (the n choices of one request, with the very same tokens, copy the prefill instead)."""
+        end = reused + self.runner.cache.block_size
+        if end > len(seq.token_ids) - 1:
+            return False
+        head = seq.token_ids[:end]
+        return any(o.token_ids[:end] == head and o.token_ids != seq.token_ids for o in others)
+
+    def _make_room(self, active: list[Sequence]) -> tuple[list[Sequence], list[int]]:
+        """The step's sequences and budgets after preempting, most recently admitted first (prefilling ones before
+        running ones), until the step's blocks fit the pool (one sequence alone always fits: the plan sizes the
+        pool for one of max_model_len)."""
+        budgets = self.budget.for_step(active)
+        while self.runner.shortfall(active, budgets) > 0:
+            if self.prefilling:
+                self._preempt(self.prefilling[-1])
+                continue
+            if len(active) == 1:
+                break
+            victim = max(active, key=self.running.index)
+            self._preempt(victim)
+            active = [s for s in active if s is not victim]
+            budgets = self.budget.for_step(active)
+        return active, budgets
 
     def _take_active(self) -> list[Sequence]:
         while self.suspects:
@@ -191,10 +261,16 @@ class Scheduler:
         seq = self.prefilling[0]
         left = len(seq.token_ids) - seq.prefilled
         if step_seconds is None or not self.running:
-            tokens = left
+            tokens = min(left, MAX_PREFILL_TOKENS)
         else:
             budget = CHUNK_STEP_FRACTION * step_seconds
-            tokens = max(MIN_CHUNK, int(self.chunk_rate * budget)) if self.chunk_rate else FIRST_CHUNK
+            tokens = max(MIN_CHUNK, min(int(self.chunk_rate * budget), MAX_PREFILL_TOKENS)) if self.chunk_rate \
+                else FIRST_CHUNK
+        if not self.runner.chunk_fits(seq, min(tokens, left) + (self.runner.tree_room + 1 if tokens >= left else 0)):
+            if self.running:
+                return [], []  # the pool is short: the running sequences free blocks as they finish
+            if len(self.prefilling) > 1:
+                self._preempt(self.prefilling[-1])
         try:
             if tokens >= left:
                 self.prefilling.remove(seq)
@@ -212,6 +288,7 @@ class Scheduler:
     def step(self) -> SchedulerOutput:
         runner, controller = self.runner, self.budget.controller
         start = time.perf_counter()
+        preempted = self.pool.stats.preemptions
         joining = self._take_joining()
         deltas: dict[str, str] = {}
         active: list[Sequence] = []
@@ -228,7 +305,7 @@ class Scheduler:
             active = self._take_active()
             if active:
                 try:
-                    budgets = self.budget.for_step(active)
+                    active, budgets = self._make_room(active)
                     deltas.update(zip((s.request_id for s in active), runner.step(active, budgets)))
                     report = runner.last_report
                     if controller is not None:
@@ -244,4 +321,5 @@ class Scheduler:
         finished = [s for s in self.running if s.finished]
         for seq in finished:
             self._release(seq)
-        return SchedulerOutput(deltas, joining, active, finished, report, time.perf_counter() - start, failed)
+        return SchedulerOutput(deltas, joining, active, finished, report, time.perf_counter() - start, failed,
+                               self.pool.stats.preemptions - preempted)

@@ -107,6 +107,8 @@ class Sequence:
         """Prompt tokens whose keys and values the slot already held when this request took it (prefix caching)."""
         self.prefilled = 0
         """Prompt tokens in its cache so far (reused, then chunks of a long prompt; the last prefill runs the rest)."""
+        self.prefill_tokens = 0
+        """Tokens the last prefill covered (the prompt; prompt and output so far for one recomputed after preemption)."""
         self.random = RequestRandom(params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,))))
         self.stats = SpecStats()
         self.eos_ids = set() if params.ignore_eos else set(eos_ids)

@@ -12,7 +12,7 @@ import torch
 
 from specdecode.engine.batch import StepBatch
 from specdecode.engine.prefix_cache import SlotPool
-from specdecode.model.cache import KVCache
+from specdecode.model.cache import BLOCK_SIZE, KVCache
 from specdecode.engine.sequence import Sequence
 from specdecode.model.llama import LlamaForCausalLM
 from specdecode.sampling import (DRAW, params_tensors, penalize, position_uniforms, processed_probs, race_tokens,
@@ -58,9 +58,15 @@ class StepRunner:
         self.chunked_prefill = True
         """Whether a long prompt arriving while others decode is prefilled in chunks between their steps."""
         self.prefix_caching = True
-        """Whether a request may reuse the keys and values a free slot holds of its prompt (engine/prefix_cache.py)."""
+        """Whether a request may reuse keys and values of its prompt's beginning that the cache holds: paged, the
+        full blocks any request (running or finished) left indexed; slots layout, what a free slot still holds
+        (engine/prefix_cache.py)."""
+        self.block_size: int | None = BLOCK_SIZE
+        """Positions per block of the target's paged KV cache; None: the slots layout (a row of max_len each)."""
+        self.num_blocks: int | None = None
+        """The paged pool's size in blocks (from the capacity plan); None: every row at max_len."""
         self.slots = SlotPool(0)
-        """The cache's free slots and what they hold (rebuilt empty with the cache)."""
+        """The cache's free rows and what they held last (rebuilt empty with the cache)."""
         # Target hidden states the proposer reads (EAGLE, Medusa), taken from the passes that verify.
         self.features = proposer.feature_request if proposer is not None else NO_FEATURES
         self.tree_room = 0
@@ -71,24 +77,113 @@ class StepRunner:
         self.max_len = max_len
         self.tree_room = max(self.tree_room, tree_size)
         need = max_len + tree_size + 2
-        if self.cache is None or self.cache.num_slots < slots or self.cache.max_len < need:
-            old = self.cache
-            self.cache = self.target.make_cache(max(slots, old.num_slots if old else 0),
-                                                max(need, old.max_len if old else 0))
+        cache = self.cache
+        if type(cache) is KVCache and cache.paged:  # tables grow; the pool keeps every block where it is
+            if cache.num_slots < slots or cache.max_len < need:
+                cache.resize(slots, need)
+                self.slots.grow(cache.num_slots)
+            if self.num_blocks is None:
+                cache.grow_pool(cache.num_slots * cache.tables.shape[1])
+        elif cache is None or cache.num_slots < slots or cache.max_len < need:
+            old = cache
+            slots, need = max(slots, old.num_slots if old else 0), max(need, old.max_len if old else 0)
+            paging = {} if self.block_size is None else {"block_size": self.block_size, "num_blocks": self.num_blocks}
+            self.cache = self.target.make_cache(slots, need, **paging)
             if type(old) is not KVCache or type(self.cache) is not KVCache:  # (tensor-parallel caches start empty)
                 self.slots = SlotPool(self.cache.num_slots, self.prefix_caching)
             else:  # a larger cache keeps what the old one held, so the prefixes free slots hold stay reusable
                 old.copy_into(self.cache)
                 self.slots.grow(self.cache.num_slots)
         if self.proposer is not None:
-            self.proposer.ensure_cache(slots, need)
+            paged = type(self.cache) is KVCache and self.cache.paged
+            self.proposer.ensure_cache(slots, need, self.cache.num_blocks * self.cache.block_size if paged else None)
+
+    @property
+    def paged(self) -> bool:
+        return type(self.cache) is KVCache and self.cache.paged
+
+    # -- blocks: admission, reservation, preemption -------------------------------------------------------------
+
+    def place(self, seq: Sequence) -> tuple[int, int, list[int]]:
+        """Where a joining sequence would go, taking nothing: (its row, how many of its first tokens the cache
+        already holds, the blocks holding them). Paged: the longest run of full indexed blocks that begins its tokens
+        (at most len - 1: the last token is run for its logits); slots layout: what the free row that held the
+        longest beginning of them still holds. A proposer that keeps per-position state of its own (EAGLE) may
+        lower it: it holds that state only for what the row's last request left."""
+        slot, held = self.slots.choose(seq.token_ids)
+        if not self.paged:
+            return slot, self.reusable(slot, held), []
+        blocks = self.cache.match(seq.token_ids, len(seq.token_ids) - 1) if self.prefix_caching else []
+        if self.features.wanted:
+            blocks = blocks[:self.reusable(slot, min(held, len(blocks) * self.cache.block_size))
+                            // self.cache.block_size]
+        return slot, len(blocks) * self.cache.block_size, blocks
+
+    def admission_blocks(self, seq: Sequence, blocks: list[int], prefill_end: int) -> int:
+        """Blocks of the pool a joining sequence takes: those its prefill (written up to prefill_end: a batch is
+        padded to its longest row) and its first step need, and the cached (unreferenced) ones it would adopt."""
+        if not self.paged:
+            return 0
+        bs, pool = self.cache.block_size, self.cache.pool
+        end = min(max(prefill_end, len(seq.token_ids) + self.tree_room + 1), self.cache.max_len)
+        return -(-end // bs) - len(blocks) + sum(1 for b in blocks if pool.refs[b] == 0)
+
+    def chunk_fits(self, seq: Sequence, tokens: int) -> bool:
+        """Whether the pool has the blocks for the next `tokens` of a prompt being prefilled in chunks."""
+        return not self.paged or self.cache.blocks_needed(seq.slot, seq.prefilled + tokens) <= self.cache.pool.available
+
+    def step_headroom(self, running: int) -> int:
+        """Blocks kept free at admission for the next step of `running` sequences (a new block each, for a tree)."""
+        return running * (1 + -(-(self.tree_room + 1) // self.cache.block_size)) if self.paged else 0
+
+    def take(self, seq: Sequence, slot: int, reused: int, blocks: list[int]) -> None:
+        """Give a joining sequence its row and the blocks it reuses (held from now on: not evicted)."""
+        self.slots.take_slot(slot)
+        seq.slot = slot
+        if self.paged:
+            self.cache.adopt(slot, blocks)
+        seq.reused = seq.prefilled = reused
+
+    def shortfall(self, seqs: list[Sequence], budgets: list[int]) -> int:
+        """Blocks missing (in the target's pool or the proposer's) for one step of these sequences; 0: it fits."""
+        if not self.paged:
+            return 0
+        cache = self.cache
+        width = 1 + (self.tree_room if any(budgets) else 0)
+        need = sum(cache.blocks_needed(s.slot, int(cache.lengths[s.slot]) + width) for s in seqs)
+        short = need - cache.pool.available
+        if self.proposer is not None and any(budgets):
+            short = max(short, self.proposer.cache_shortfall(seqs, budgets))
+        return max(short, 0)
+
+    def free_row(self, seq: Sequence, reusable: bool = True) -> None:
+        """A sequence gives back its row: paged, its full blocks indexed (for later prompts, or for itself when it
+        is recomputed) and every block released; slots layout, the row keeps what it holds for a later prompt.
+        (reusable False: after a failure, when the rows may be half written.)"""
+        if seq.slot < 0:
+            return
+        held = int(self.cache.lengths[seq.slot]) if reusable else 0
+        if self.paged:
+            if reusable and self.prefix_caching:
+                self.cache.index(seq.slot, seq.token_ids)
+            self.cache.release(seq.slot)
+        self.slots.give_back(seq.slot, seq.token_ids[:held])
+        seq.slot = -1
+
+    def index(self, seqs: list[Sequence]) -> None:
+        """Offer the sequences' newly full blocks to the index: a prompt that begins the same way shares them at
+        once, while these still run."""
+        if self.paged and self.prefix_caching:
+            for seq in seqs:
+                self.cache.index(seq.slot, seq.token_ids)
 
     @torch.inference_mode()  # no_grad and also no version counters: less work per operation
     def prefill(self, seqs: list[Sequence]) -> list[str]:
         """Run the prompts and draw each sequence's first token."""
         self.mutated = False
         start = time.perf_counter()
-        for seq in seqs:  # (seq.reused: what the slot held, within reusable(); the scheduler set it)
+        for seq in seqs:  # (seq.reused: what the cache held, within reusable(); the scheduler set it)
+            seq.prefill_tokens = len(seq.token_ids)
             self.slots.stats.queries += len(seq.token_ids)
             self.slots.stats.hits += seq.reused
         everyone, seqs, copies = seqs, *self._shared_prompts(seqs)
@@ -111,6 +206,7 @@ class StepRunner:
             order = list(range(len(seqs))) + [leader for leader, fs in copies.items() for _ in fs]
             logits = logits[order]
             seqs = seqs + [f for fs in copies.values() for f in fs]
+        self.index(seqs)
         roots = self._adjusted_logits(seqs, logits[:, None], [DraftTree.empty()] * len(seqs))[:, 0]
         first = self._sample_roots(seqs, roots)
         logprobs = self._logprobs(seqs, logits[:, None], [[0]] * len(seqs), [[t] for t in first])
@@ -165,6 +261,7 @@ class StepRunner:
         self.cache.advance(slot, tokens)
         self.mutated = True
         seq.prefilled += tokens
+        self.index([seq])
         if self.features.wanted:
             self.proposer.observe_target([seq], TargetFeatures.select(out, self.features, [tokens]))
 
@@ -322,6 +419,7 @@ class StepRunner:
         for row, (seq, tokens, lp) in enumerate(zip(seqs, emitted, logprobs)):
             seq.stats.record(report, row)
             deltas.append(self._append(seq, tokens, lp))
+        self.index(seqs)
         if self.proposer is not None:
             self.proposer.observe(seqs, trees, results)
         if self.features.wanted:  # the hidden states at the root and the accepted path of each row

@@ -12,6 +12,10 @@ import collections
 import itertools
 
 
+BLOCK_SIZE = 16
+"""Positions per block of a paged cache (vLLM's default)."""
+
+
 class CacheFull(RuntimeError):
     """The pool has fewer free blocks than a step needs (the scheduler admits and preempts so that it does not)."""
 

@@ -20,10 +20,7 @@ import collections
 
 import torch
 
-from specdecode.model.blocks import ROOT, BlockPool, CacheFull
-
-BLOCK_SIZE = 16
-"""Positions per block of a paged cache (vLLM's default)."""
+from specdecode.model.blocks import BLOCK_SIZE, ROOT, BlockPool, CacheFull
 
 
 class KVCache:
@@ -223,6 +220,13 @@ class KVCache:
         keys = keys.permute(0, 2, 3, 1, 4).reshape(B, G, hd, n * bs)[..., :length]
         values = values.permute(0, 2, 1, 3, 4).reshape(B, G, n * bs, hd)[:, :, :length]
         return keys, values
+
+    def row(self, layer: int, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys [kv_heads, head_dim, length] (transposed) and values [kv_heads, length, head_dim] of a row's first
+        positions, in either layout."""
+        rows = torch.tensor([slot])
+        keys, values = self.read(layer, self.gather_table(rows, length) if self.paged else rows, length)
+        return keys[0], values[0]
 
     # -- lengths ------------------------------------------------------------------------------------------------
 

@@ -119,7 +119,7 @@ def test_adaptive_flag_parses(flag):
     (["--max-num-seqs", "0"], "argument --max-num-seqs: must be an integer between 1 and"),
     (["--port", "70000"], "argument --port: must be an integer between 0 and 65535"),
     (["--memory-fraction", "0"], "argument --memory-fraction: must be a number in (0, 1]"),
-    (["--max-num-seqs", "1000", "--memory-budget", "0.05"], "lower --max-num-seqs to"),
+    (["--max-num-seqs", "1000", "--memory-budget", "0.05", "--block-size", "0"], "lower --max-num-seqs to"),
     (["--max-model-len", "100000000"], "longer than the model's context"),
     (["--memory-budget", "0.000001"], "not even one sequence"),
 ])
@@ -133,16 +133,21 @@ def test_serve_refuses_bad_sizes_before_the_model_loads(tiny_models, capsys, mon
 
 
 def test_serve_sizes_its_batch_from_the_memory_available(tiny_models, monkeypatch):
-    """Without --max-num-seqs: as many sequences as the plan fits in --memory-fraction of what is available (at
-    most 32); the ready line says what was chosen."""
+    """Without --max-num-seqs: slots layout, as many sequences as the plan fits in --memory-fraction of what is
+    available (at most 32); paged, 32 rows over a pool of the memory left. The ready line says what was chosen."""
     from specdecode.cli import serve as server_cli
 
     monkeypatch.setattr("specdecode.hardware.available_memory", lambda: 64 * 2**20)
     code, seen = serve(tiny_models, monkeypatch, "--max-model-len", "256", "--memory-fraction", "0.5", "--no-speculation")
     assert code == 0
+    pool = re.search(r"up to 32 sequences of up to 256 positions in a KV pool of ([\d,]+) positions", seen["ready_line"])
+    assert pool and int(pool.group(1).replace(",", "")) > 32 * 256
+    code, seen = serve(tiny_models, monkeypatch, "--max-model-len", "256", "--memory-fraction", "0.5", "--no-speculation",
+                       "--block-size", "0")
+    assert code == 0
     lines = re.search(r"(\d+) sequences x 256 positions", seen["ready_line"])
     chosen = int(lines.group(1))
     assert 1 <= chosen < server_cli.DEFAULT_MAX_NUM_SEQS and "of 0.1 GiB available" in seen["ready_line"]
     code, seen = serve(tiny_models, monkeypatch, "--max-model-len", "256", "--memory-fraction", "0.5",
-                       "--no-speculation", "--max-num-seqs", str(chosen))
+                       "--no-speculation", "--max-num-seqs", str(chosen), "--block-size", "0")
     assert code == 0 and f"{chosen} sequences" in seen["ready_line"]

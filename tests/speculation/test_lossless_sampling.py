@@ -179,8 +179,11 @@ class MixedProposer:
     draft_network = None
     SHAPES = [(-1,), (-1, 0, 1), (-1, 0, 0, 1), (-1, -1, 0), ()]
 
-    def ensure_cache(self, slots, max_len):
+    def ensure_cache(self, slots, max_len, pool_positions=None):
         pass
+
+    def cache_shortfall(self, seqs, budgets):
+        return 0
 
     def __init__(self):
         self.gen = torch.Generator().manual_seed(0)

@@ -103,10 +103,9 @@ def test_draft_cache_holds_the_accepted_chain(draft_tree_llm, params, monkeypatc
             with torch.no_grad():
                 draft(torch.tensor([seq.token_ids[:n]]), cache=fresh, slots=torch.tensor([0]), compute_logits=False)
             for layer, (k, v) in enumerate(zip(fresh.k, fresh.v)):
-                torch.testing.assert_close(proposer.cache.k[layer][seq.slot, :, :, :n], k[0, :, :, :n],
-                                           atol=1e-4, rtol=1e-4)
-                torch.testing.assert_close(proposer.cache.v[layer][seq.slot, :, :n], v[0, :, :n],
-                                           atol=1e-4, rtol=1e-4)
+                held_k, held_v = proposer.cache.row(layer, seq.slot, n)
+                torch.testing.assert_close(held_k, k[0, :, :, :n], atol=1e-4, rtol=1e-4)
+                torch.testing.assert_close(held_v, v[0, :, :n], atol=1e-4, rtol=1e-4)
 
     spy(monkeypatch, proposer, "observe", check)
     llm.generate(PROMPTS, params)

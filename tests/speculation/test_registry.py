@@ -16,8 +16,11 @@ class RepeatLast:
     feature_request = NO_FEATURES
     draft_network = None
 
-    def ensure_cache(self, slots, max_len):
+    def ensure_cache(self, slots, max_len, pool_positions=None):
         pass
+
+    def cache_shortfall(self, seqs, budgets):
+        return 0
 
     def add(self, seqs):
         pass

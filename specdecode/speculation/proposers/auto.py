@@ -141,9 +141,12 @@ class AutoProposer:
     def draft_network(self):
         return self.drafter.draft_network if self.drafter is not None else None
 
-    def ensure_cache(self, slots: int, max_len: int) -> None:
+    def ensure_cache(self, slots: int, max_len: int, pool_positions: int | None = None) -> None:
         for source in self.sources:
-            source.ensure_cache(slots, max_len)
+            source.ensure_cache(slots, max_len, pool_positions)
+
+    def cache_shortfall(self, seqs, budgets) -> int:
+        return max(source.cache_shortfall(seqs, budgets) for source in self.sources)
 
     def bind_costs(self, costs) -> None:
         self.costs = costs

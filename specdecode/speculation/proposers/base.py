@@ -137,8 +137,14 @@ class Proposer(Protocol):
     # Optional, for proposers that remember finished requests (suffix):
     #   forget_finished() -> None: drop what finished requests wrote (benchmarks repeating their prompts call it).
 
-    def ensure_cache(self, slots: int, max_len: int) -> None:
-        """Room for `slots` sequences of up to max_len positions in the caches it keeps (a no-op without any)."""
+    def ensure_cache(self, slots: int, max_len: int, pool_positions: int | None = None) -> None:
+        """Room for `slots` sequences of up to max_len positions in the caches it keeps (a no-op without any).
+        pool_positions: the target's KV cache is paged with a pool of this many positions (a draft model's cache
+        follows: paged, sized alike); None: the slots layout."""
+
+    def cache_shortfall(self, seqs: list["Sequence"], budgets: list[int]) -> int:
+        """Blocks its paged cache lacks for a step of these sequences (the scheduler preempts until none); 0 without
+        a paged cache."""
 
     def add(self, seqs: list["Sequence"]) -> None:
         """Sequences join (their prompts and first tokens are known)."""
@@ -169,5 +175,8 @@ class WithoutDraftCache:
 
     draft_network = None
 
-    def ensure_cache(self, slots: int, max_len: int) -> None:
+    def ensure_cache(self, slots: int, max_len: int, pool_positions: int | None = None) -> None:
         pass
+
+    def cache_shortfall(self, seqs, budgets) -> int:
+        return 0

@@ -11,7 +11,7 @@ import torch
 
 from specdecode.errors import ConfigError
 from specdecode.speculation.methods import Method
-from specdecode.model.cache import common_prefix
+from specdecode.model.cache import BLOCK_SIZE, common_prefix
 from specdecode.model.llama import LlamaForCausalLM
 from specdecode.sampling import params_tensors, processed_probs, race_tokens, sample_rows
 from specdecode.speculation.proposers.base import NO_FEATURES
@@ -86,11 +86,45 @@ class DraftModelProposer:
         level pays, given the tokens the drafted levels are expected to give (counting each row's committed one)
         and what the next level is expected to add; the draft's own probabilities estimate both."""
 
-    def ensure_cache(self, slots: int, max_len: int) -> None:
-        extra = 2 + self.config.num_drafts * self.config.num_speculative_tokens
-        if self.cache is None or self.cache.num_slots < slots or self.cache.max_len < max_len + extra:
-            self.cache = self.model.make_cache(slots, max_len + extra)
+    @property
+    def extra_positions(self) -> int:
+        """Positions a row's step writes beyond its tokens (the drafted levels, and a margin)."""
+        return 2 + self.config.num_drafts * self.config.num_speculative_tokens
+
+    def ensure_cache(self, slots: int, max_len: int, pool_positions: int | None = None) -> None:
+        """Paged beside a paged target: a pool of as many positions as the target's plus every row's drafts, and
+        full blocks indexed by content as the target's are (prefixes shared across requests)."""
+        need = max_len + self.extra_positions
+        cache = self.cache
+        if pool_positions is not None:
+            blocks = -(-pool_positions // BLOCK_SIZE) + slots * -(-self.extra_positions // BLOCK_SIZE)
+            if cache is None or not cache.paged:
+                self.cache = self.model.make_cache(slots, need, block_size=BLOCK_SIZE, num_blocks=blocks)
+                self.held.clear()
+            else:
+                cache.resize(slots, need)
+                cache.grow_pool(blocks)
+        elif cache is None or cache.paged or cache.num_slots < slots or cache.max_len < need:
+            self.cache = self.model.make_cache(slots, need)
             self.held.clear()
+
+    def cache_shortfall(self, seqs, budgets) -> int:
+        """Blocks missing for a step: a row's tail and drafted levels, or all of a joining row's tokens (its window)."""
+        cache = self.cache
+        if cache is None or not cache.paged:
+            return 0
+        need = 0
+        for seq, budget in zip(seqs, budgets):
+            if not budget:
+                continue
+            fed = self.draft_len.get(seq.request_id)
+            if fed is None:
+                held = len(seq.token_ids) if self.window is None else min(len(seq.token_ids), self.window + 1)
+                need += -(-(held + self.extra_positions) // cache.block_size)
+            else:
+                end = int(cache.lengths[seq.slot]) + len(seq.token_ids) - fed + self.extra_positions
+                need += cache.blocks_needed(seq.slot, end)
+        return max(0, need - cache.pool.available)
 
     @torch.no_grad()
     def add(self, seqs) -> None:
@@ -98,14 +132,23 @@ class DraftModelProposer:
         beginning its slot still holds from the request that used it last (prefix caching); with a `window`, only
         the last `window` of them (the draft then sees a shorter context, at its own positions)."""
         fresh = []
-        for seq in seqs:
+        paged = self.cache.paged
+        for i, seq in enumerate(seqs):
             n = len(seq.token_ids) - 1
+            if paged:  # (a paged row holds nothing between requests: its blocks went back to the pool)
+                self.cache.release(seq.slot)
             if self.window is not None and n > self.window:
                 self._prefill([seq], [0], start=n - self.window)
                 self.windowed.add(seq.request_id)
                 continue
-            keep = min(common_prefix(self.held.pop(seq.slot, ()), seq.token_ids), n)
-            if keep:  # rows that keep different prefixes run alone: padding them together could overrun the rows
+            if paged:  # the full blocks of its beginning that the draft cache holds, from any request
+                keep = self.cache.adopt(seq.slot, self.cache.match(seq.token_ids, n))
+            else:
+                keep = min(common_prefix(self.held.pop(seq.slot, ()), seq.token_ids), n)
+            if not keep and paged and any(common_prefix(seq.token_ids, later.token_ids) >= self.cache.block_size
+                                          for later in seqs[i + 1:]):
+                self._prefill([seq], [0])  # alone first: the later ones that begin as it does share its blocks
+            elif keep:  # rows that keep different prefixes run alone: padding them together could overrun the rows
                 self._prefill([seq], [keep])
                 self.kept_tokens += keep
             else:
@@ -126,13 +169,19 @@ class DraftModelProposer:
             self.cache.advance(slots, torch.tensor(lens))
         for seq, k, n in zip(seqs, keep, lens):
             self.draft_len[seq.request_id] = start + k + n
+            if start == 0:  # (a window's rows hold other positions: not indexed)
+                self.cache.index(seq.slot, seq.token_ids)
 
     def remove(self, seq) -> None:
         n = self.draft_len.pop(seq.request_id, None)
         self.pending.pop(seq.request_id, None)
-        if seq.request_id in self.windowed:  # its rows hold a window, not the tokens from the first on
-            self.windowed.discard(seq.request_id)
-        elif n and seq.slot >= 0:  # what its slot of the draft cache holds, for a later request to keep
+        windowed = seq.request_id in self.windowed  # its rows hold a window, not the tokens from the first on
+        self.windowed.discard(seq.request_id)
+        if self.cache is not None and self.cache.paged and seq.slot >= 0:
+            if n and not windowed:  # its full blocks stay indexed for a later request
+                self.cache.index(seq.slot, seq.token_ids[:n])
+            self.cache.release(seq.slot)
+        elif n and not windowed and seq.slot >= 0:  # what its slot of the draft cache holds, for a later request
             self.held[seq.slot] = seq.token_ids[:n]
 
     def _pick(self, logits: torch.Tensor, seqs, greedy: bool, width: int,

@@ -79,7 +79,8 @@ class EagleProposer:
         """Verify at most `nodes` nodes per drafted level (the reranked tree of a d-level draft has nodes * d)."""
         self.config.nodes_per_level = nodes
 
-    def ensure_cache(self, slots: int, max_len: int) -> None:
+    def ensure_cache(self, slots: int, max_len: int, pool_positions: int | None = None) -> None:
+        """(The head's one-layer cache stays in the slots layout: it is a layer's worth per position.)"""
         need = max_len + self.config.topk * self.config.max_depth + 2
         if self.cache is None or self.cache.num_slots < slots or self.cache.max_len < need:
             old = self.cache
@@ -90,6 +91,9 @@ class EagleProposer:
 
     # -- sequences ------------------------------------------------------------------------------------------
 
+
+    def cache_shortfall(self, seqs, budgets) -> int:
+        return 0
     def observe_target(self, seqs, features: TargetFeatures) -> None:
         # Kept as the target gave them, per layer: a multi-layer head's reduce runs once over all the unread
         # positions when the head next reads them, not once a step (adaptive steps that do not draft read nothing).
