@@ -102,6 +102,7 @@ def register(sub) -> None:
     register_code(tools)
     register_perplexity(tools)
     register_assistant(tools)
+    register_sessions(tools)
 
 
 def _checkpoints(args) -> tuple[Path, Path | None]:
@@ -309,6 +310,26 @@ def register_assistant(sub) -> None:
     p.add_argument("--out", type=Path, default=Path("bench_results/assistant"),
                    help="output folder (default bench_results/assistant)")
     p.set_defaults(func=_run("specdecode.bench.assistant", "cmd_bench_assistant"))
+
+
+def register_sessions(sub) -> None:
+    p = sub.add_parser("sessions", help="the paged KV cache against a live server: concurrent sessions, a shared "
+                                        "system prompt's reuse with speculation on and off",
+                       description="Start `specdecode serve` (default flags plus --server-args) and send --sessions "
+                                   "concurrent chats of ~--prompt-tokens distinct tokens each, to the paged cache "
+                                   "and to the slots layout (--block-size 0): how many run at once (peak of "
+                                   "num_requests_running), refused, preemptions. Then --shared requests on one "
+                                   "system prompt of that length, with the default speculation and without: the "
+                                   "prefix hit rate after the first request, and whether the answers agree. Writes "
+                                   "sessions.json, sessions.txt and sessions.png to --out.")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="the served model (default smollm2-135m-instruct)")
+    p.add_argument("--sessions", type=int_range(1, 4096), default=24, help="concurrent sessions (default 24)")
+    p.add_argument("--prompt-tokens", type=int_range(16), default=1000, help="prompt tokens a session (default 1000)")
+    p.add_argument("--max-tokens", type=TOKENS, default=8, help="tokens generated a request (default 8)")
+    p.add_argument("--shared", type=int_range(2, 4096), default=16, help="requests on the shared prompt (default 16)")
+    p.add_argument("--server-args", default="", help="more `specdecode serve` flags, one string")
+    p.add_argument("--out", type=Path, default=None, help="folder for the report")
+    p.set_defaults(func=_run("specdecode.bench.sessions", "cmd_sessions"))
 
 
 def register_perplexity(sub) -> None:

@@ -255,7 +255,7 @@ class AsyncEngine:
             if problem is not None and problem != self._problem:
                 log.error("%s", problem)
             self._problem = problem
-            self.metrics.running.set(len(scheduler.running))
+            self.metrics.running.set(len(scheduler.running) + len(scheduler.prefilling))
             self.metrics.waiting.set(len(scheduler.waiting))
             with self._cond:
                 self.iterations += 1

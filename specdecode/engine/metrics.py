@@ -77,7 +77,9 @@ class EngineMetrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Arrival to the last token.",
                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.running = Gauge(PREFIX + "num_requests_running", "Requests holding a cache slot.", registry=r)
+        self.running = Gauge(PREFIX + "num_requests_running",
+                             "Requests holding a cache row: decoding, or their long prompt being prefilled in chunks.",
+                             registry=r)
         self.waiting = Gauge(PREFIX + "num_requests_waiting", "Requests queued for a slot.", registry=r)
         self.speedup = Gauge(PREFIX + "spec_decode_realised_speedup",
                              "Recent tokens emitted x measured plain-step time / actual time (1 = plain decoding).",

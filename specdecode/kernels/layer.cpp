@@ -83,37 +83,47 @@ inline float exp1(float x) {
   return p * scale;
 }
 
-// Scores of one query q [hd] (already scaled) over n positions of one block of keys: keys_t [hd][stride]
-// (transposed); scores [n]. Each position's score is the same chain of FMAs over d whichever loop computes it.
-void score_run(const float* q, const float* keys_t, int64_t stride, int64_t n, int64_t hd, float* scores) {
+// Scores of one query q [hd] (already scaled) over positions [0, L) of keys stored in blocks of bs positions:
+// key_blocks[i] [hd][bs] (transposed) holds positions i*bs... scores [L]. Each position's score is the same chain of
+// FMAs over d whichever loop computes it, so the numbers do not depend on the block size or where blocks sit.
+void score_positions(const float* q, const float* const* key_blocks, int64_t bs, int64_t L, int64_t hd,
+                     float* scores) {
+  auto column = [&](int64_t j) { return key_blocks[j / bs] + j % bs; };  // position j's key: column(j)[d * bs]
   int64_t j = 0;
+  while (j < L) {
 #if defined(__AVX2__)
-  for (; j + 32 <= n; j += 32) {  // four blocks of positions at once: four independent chains of FMAs
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (int64_t d = 0; d < hd; ++d) {
-      const __m256 qd = _mm256_set1_ps(q[d]);
-      const float* k = keys_t + d * stride + j;
-      a0 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k), a0);
-      a1 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + 8), a1);
-      a2 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + 16), a2);
-      a3 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + 24), a3);
+    auto in_block = [&](int64_t at) { return at % bs + 8 <= bs; };  // 8 positions from `at` in one block
+    if (j + 32 <= L && in_block(j) && in_block(j + 8) && in_block(j + 16) && in_block(j + 24)) {
+      // four runs of 8 positions at once: four independent chains of FMAs
+      const float *k0 = column(j), *k1 = column(j + 8), *k2 = column(j + 16), *k3 = column(j + 24);
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t d = 0; d < hd; ++d) {
+        const __m256 qd = _mm256_set1_ps(q[d]);
+        a0 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k0 + d * bs), a0);
+        a1 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k1 + d * bs), a1);
+        a2 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k2 + d * bs), a2);
+        a3 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k3 + d * bs), a3);
+      }
+      _mm256_storeu_ps(scores + j, a0);
+      _mm256_storeu_ps(scores + j + 8, a1);
+      _mm256_storeu_ps(scores + j + 16, a2);
+      _mm256_storeu_ps(scores + j + 24, a3);
+      j += 32;
+      continue;
     }
-    _mm256_storeu_ps(scores + j, a0);
-    _mm256_storeu_ps(scores + j + 8, a1);
-    _mm256_storeu_ps(scores + j + 16, a2);
-    _mm256_storeu_ps(scores + j + 24, a3);
-  }
-  for (; j + 8 <= n; j += 8) {  // (each position's sum is the same chain over d in both loops)
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t d = 0; d < hd; ++d)
-      acc = _mm256_fmadd_ps(_mm256_set1_ps(q[d]), _mm256_loadu_ps(keys_t + d * stride + j), acc);
-    _mm256_storeu_ps(scores + j, acc);
-  }
+    if (j + 8 <= L && in_block(j)) {
+      const float* k0 = column(j);
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t d = 0; d < hd; ++d) acc = _mm256_fmadd_ps(_mm256_set1_ps(q[d]), _mm256_loadu_ps(k0 + d * bs), acc);
+      _mm256_storeu_ps(scores + j, acc);
+      j += 8;
+      continue;
+    }
 #endif
-  for (; j < n; ++j) {
+    const float* k0 = column(j);
     float acc = 0.0f;
-    for (int64_t d = 0; d < hd; ++d) acc = std::fma(q[d], keys_t[d * stride + j], acc);
-    scores[j] = acc;
+    for (int64_t d = 0; d < hd; ++d) acc = std::fma(q[d], k0[d * bs], acc);
+    scores[j++] = acc;
   }
 }
 
@@ -123,8 +133,7 @@ void score_run(const float* q, const float* keys_t, int64_t stride, int64_t n, i
 template <typename Allowed>
 void attend_one(const float* q, const float* const* key_blocks, const float* const* val_blocks, int64_t bs,
                 int64_t L, int64_t hd, Allowed allowed, float* scores, float* out) {
-  for (int64_t start = 0, i = 0; start < L; start += bs, ++i)
-    score_run(q, key_blocks[i], bs, std::min(bs, L - start), hd, scores + start);
+  score_positions(q, key_blocks, bs, L, hd, scores);
   int64_t j = 0;
   float top = -INFINITY;
   for (j = 0; j < L; ++j) {

@@ -9,6 +9,8 @@ float32 matrix products read the cache's strided prefix in place where bfloat16 
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -76,10 +78,7 @@ class CacheContext:
         # and the start of every row's new tokens when it is the same for all rows (one slice write), else None.
         # Paged: the rows' block tables, and each new token's address.
         self.write_start = None
-        if cache.paged:
-            self.rows = cache.gather_table(slots, self.context_len)  # [B, blocks]
-            self.write_at = cache.address(slots, self.write_pos)  # [B, T] blocks and offsets
-        else:
+        if not cache.paged:
             self.rows = slice(first, first + batch) if contiguous else self.slots
             self.write_at = (self.slots[:, None].expand(batch, new_tokens), self.write_pos)
             if same_length and contiguous:
@@ -114,6 +113,16 @@ class CacheContext:
         self.mask = ((rel < 0)[:, None, :] | (is_fresh[:, None, :] & fresh_visible))[:, None]  # [B, 1, T, L]
         if self.small_step:
             self.blocked, self.window = ~self.mask[:, :, None], self.context_len
+
+    @functools.cached_property
+    def rows(self) -> torch.Tensor:
+        """Paged: the rows' blocks [B, blocks] on the device (the fused kernels read the host tables instead)."""
+        return self.cache.gather_table(self.slot_ids, self.context_len)
+
+    @functools.cached_property
+    def write_at(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Paged: each new token's block and offset, [B, T] each."""
+        return self.cache.address(self.slot_ids, self.write_pos)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Store this layer's new keys/values [B, kv_heads, T, hd] and attend: q [B, heads, T, hd] -> same shape."""

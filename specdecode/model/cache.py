@@ -78,12 +78,13 @@ class KVCache:
 
     def _missing(self, slot: int, end: int) -> tuple[list[int], list[int]]:
         """Block indices of the row that positions [length, end) need allocated: (absent, shared: copy on write)."""
-        bs, row, pool = self.block_size, self.tables[slot].tolist(), self.pool
+        bs, pool = self.block_size, self.pool
+        first = int(self.lengths[slot]) // bs
         absent, shared = [], []
-        for i in range(int(self.lengths[slot]) // bs, -(-end // bs)):
-            if row[i] < 0:
+        for i, block in enumerate(self.tables[slot, first:-(-end // bs)].tolist(), first):
+            if block < 0:
                 absent.append(i)
-            elif pool.shared(row[i]):
+            elif pool.shared(block):
                 shared.append(i)
         return absent, shared
 
