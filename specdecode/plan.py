@@ -138,6 +138,12 @@ class MemoryPlan:
                     + self.unpaged_kv(seqs) + self.max_model_len * self.kv_per_position())
         return self.target.weights + self.draft.weights + self.kv(seqs) + self.activations(seqs)
 
+    def planned(self) -> int:
+        """Bytes the engine allocates (paged and fitting: the whole pool; else what it needs)."""
+        if self.block_size is not None and self.fits:
+            return self.target.weights + self.draft.weights + self.kv() + self.activations()
+        return self.needed()
+
     def largest_batch(self) -> int:
         """The most sequences that may run at once (0: not even one): slots, those of max_model_len that fit the
         usable budget; paged, max_num_seqs when the pool holds one sequence of max_model_len (rows cost no memory
@@ -171,13 +177,13 @@ class MemoryPlan:
                 ("draft / heads weights", self.draft.weights),
                 (kv, self.kv()),
                 (peak, self.activations()),
-                ("total needed", self.needed()),
+                ("total needed" if not paged or not self.fits else "total planned", self.planned()),
                 (f"budget per rank less {self.headroom:.0%} headroom", self.usable())]
         lines = [f"{name:<48} {value / GiB:9.3f} GiB" for name, value in rows]
-        left = self.usable() - self.needed()
+        left = self.usable() - self.planned()
         if left >= 0:
             lines.append(f"{'left beyond that':<48} {left / GiB:9.3f} GiB"
-                         f" ({(self.budget - self.needed()) / self.budget:.0%} of the budget unused in all)")
+                         f" ({(self.budget - self.planned()) / self.budget:.0%} of the budget unused in all)")
         else:
             lines.append(f"{'short by':<48} {-left / GiB:9.3f} GiB")
         if paged:

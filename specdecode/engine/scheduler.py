@@ -163,6 +163,7 @@ class Scheduler:
         joining = []
         longest = deepest = 0  # over `joining`: the most new tokens of a row, the longest reused prefix
         sharing = [s for s in self.prefilling]  # whose blocks later joiners with the same beginning should wait for
+        promised = sum(runner.blocks_to_finish(s) for s in self.prefilling)  # blocks admitted, not yet taken
         while (self.waiting and len(self.pool)
                and len(self.running) + len(self.prefilling) + len(joining) < self.num_slots
                and not (self.prefill_alone and joining)):
@@ -182,8 +183,9 @@ class Scheduler:
                     need += sum(runner.admission_blocks(s, [], s.prefilled + new_longest)
                                 - runner.admission_blocks(s, [], s.prefilled + longest) for s in joining)
                 busy = len(self.running) + len(self.prefilling) + len(joining)
-                if need + runner.step_headroom(busy) > runner.cache.pool.available:
+                if need + promised + runner.step_headroom(busy) > runner.cache.pool.available:
                     break  # not enough blocks yet: it waits for others to finish
+                promised += need
             self.waiting.popleft()
             runner.take(seq, slot, reused, blocks)
             if self._chunked(seq, reused):

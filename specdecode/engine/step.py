@@ -128,6 +128,12 @@ class StepRunner:
         end = min(max(prefill_end, len(seq.token_ids) + self.tree_room + 1), self.cache.max_len)
         return -(-end // bs) - len(blocks) + sum(1 for b in blocks if pool.refs[b] == 0)
 
+    def blocks_to_finish(self, seq: Sequence) -> int:
+        """Blocks a sequence being prefilled in chunks still takes for the rest of its prompt and its first step."""
+        if not self.paged:
+            return 0
+        return self.cache.blocks_needed(seq.slot, len(seq.token_ids) + self.tree_room + 1)
+
     def chunk_fits(self, seq: Sequence, tokens: int) -> bool:
         """Whether the pool has the blocks for the next `tokens` of a prompt being prefilled in chunks."""
         return not self.paged or self.cache.blocks_needed(seq.slot, seq.prefilled + tokens) <= self.cache.pool.available
