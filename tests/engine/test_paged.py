@@ -135,3 +135,31 @@ def test_random_scenarios_leave_no_block_behind(tiny_models):
             assert steps < 2000
         assert llm.runner.cache.pool.used == 0, scenario
         assert llm.runner.cache.leak() is None
+
+
+AUTO = {"method": "auto", "num_speculative_tokens": 5}
+
+
+@pytest.mark.slow
+def test_smollm2_answers_are_the_same_paged_or_not_shared_or_not_preempted_or_not(smollm2):
+    """The real model in its default configuration (GGUF, quantized kernels, auto speculation): a wave of chats
+    sharing a system prompt, through the slots layout without prefix caching, the paged cache sharing prefixes, and a
+    pool so small that requests are preempted and recomputed."""
+    messages = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}] for q in QUESTIONS]
+    params = [SamplingParams(temperature=0, max_tokens=64, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=9, max_tokens=64, ignore_eos=True)] * 4
+
+    def answers(**kwargs) -> tuple[list[list[int]], LLM]:
+        llm = LLM(smollm2, speculative_config=AUTO, max_num_seqs=8, max_model_len=1024, **kwargs)
+        return [o.outputs[0].token_ids for o in llm.chat(messages, params)], llm
+
+    reference, _ = answers(block_size=None, enable_prefix_caching=False)
+    shared, llm = answers()
+    assert shared == reference
+    assert llm.runner.slots.stats.hits > 6 * 16
+    assert_no_leak(llm)
+    small = LLM(smollm2, speculative_config=AUTO, max_num_seqs=8, max_model_len=1024)
+    small.runner.num_blocks = 16  # about two of these chats at once: the rest wait or are preempted
+    assert [o.outputs[0].token_ids for o in small.chat(messages, params)] == reference
+    assert small.runner.slots.stats.preemptions > 0
+    assert_no_leak(small)
