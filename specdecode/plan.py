@@ -269,7 +269,7 @@ def head_memory(folder: Path, target: ModelConfig, itemsize: int, kv_itemsize: i
 def plan_memory(model_dir: str | Path, budget: int, max_model_len: int | None, max_num_seqs: int,
                 speculative=None, dtype: str = "auto", device: str | None = None, tensor_parallel_size: int = 1,
                 headroom: float = DEFAULT_HEADROOM, quantization: str | None = None,
-                block_size: int | None = None) -> MemoryPlan:
+                block_size: int | None = None, kv_cache_dtype: str = "auto") -> MemoryPlan:
     """The plan of a configuration (speculative: a parsed SpeculativeConfig or None; block_size: paged KV caches,
     None: the slots layout; tensor parallelism always runs the slots layout)."""
     from specdecode.parallel.tp import check_divisible
@@ -286,10 +286,11 @@ def plan_memory(model_dir: str | Path, budget: int, max_model_len: int | None, m
     dtype = resolve_dtype(dtype, device)
     itemsize = dtype.itemsize
     kv_itemsize = 4 if device.type == "cpu" else itemsize  # see LlamaForCausalLM.kv_dtype
+    target_kv_itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}.get(kv_cache_dtype, kv_itemsize)
     packed = resolve_backend("auto", device, dtype) == "onednn"
     max_model_len = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
     tree = speculative.tree_size if speculative is not None else 0
-    target = model_memory(config, itemsize, kv_itemsize, packed, tensor_parallel_size, tree + 2,
+    target = model_memory(config, itemsize, target_kv_itemsize, packed, tensor_parallel_size, tree + 2,
                           quantized_bytes_per_weight(Path(model_dir), quantization))
     draft = Memory(0)
     counted = speculative.method_info.memory(speculative) if speculative is not None else None

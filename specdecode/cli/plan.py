@@ -26,6 +26,9 @@ def register(sub) -> None:
     p.add_argument("--block-size", type=int_range(0, 1024), default=BLOCK_SIZE,
                    help=f"positions per block of the paged KV cache (default {BLOCK_SIZE}); 0: one row of "
                         "--max-model-len per sequence (the slots layout)")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                   help="what the target's keys and values are stored as (default auto: float32 on CPU); bfloat16 "
+                        "and float16 halve the cache for a little rounding of every entry")
     p.add_argument("--headroom", type=float_range(0.0, 1.0, hi_open=True), default=DEFAULT_HEADROOM,
                    help=f"fraction of the memory never planned for (default {DEFAULT_HEADROOM})")
     p.set_defaults(func=cmd_plan, compare=False)
@@ -44,7 +47,8 @@ def cmd_plan(args) -> int:
     plan = plan_memory(model_dir, int(args.device_memory * GiB), args.max_model_len, args.max_num_seqs,
                        SpeculativeConfig.parse(config), args.dtype, args.device, args.tensor_parallel_size,
                        args.headroom, quantization=quantization,
-                       block_size=(args.block_size or None) if args.tensor_parallel_size == 1 else None)
+                       block_size=(args.block_size or None) if args.tensor_parallel_size == 1 else None,
+                       kv_cache_dtype=args.kv_cache_dtype)
     method = config["method"] if config else "none"
     print(f"{name}, speculation: {method}, tensor parallel: {args.tensor_parallel_size}, "
           f"{args.device_memory:.4g} GiB per rank")

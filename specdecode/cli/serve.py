@@ -60,6 +60,9 @@ def register(sub) -> None:
     p.add_argument("--block-size", type=int_range(0, 1024), default=BLOCK_SIZE,
                    help=f"positions per block of the paged KV cache: memory follows the tokens held (default "
                         f"{BLOCK_SIZE}); 0: one preallocated row of --max-model-len per sequence")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                   help="what the target's keys and values are stored as (default auto: float32 on CPU); bfloat16 "
+                        "and float16 halve the cache for a little rounding of every entry")
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                    help="prefill a long prompt that arrives while others decode in chunks between their steps "
                         "(default on)")
@@ -161,7 +164,8 @@ def size_batch(args, model_dir, config) -> Sizing:
     def plan_for(max_model_len):
         return plan_memory(model_dir, budget, max_model_len, wanted, spec, args.dtype, args.device,
                            args.tensor_parallel_size, quantization=quantization,
-                           block_size=(args.block_size or None) if args.tensor_parallel_size == 1 else None)
+                           block_size=(args.block_size or None) if args.tensor_parallel_size == 1 else None,
+                           kv_cache_dtype=args.kv_cache_dtype)
 
     plan = plan_for(args.max_model_len)
     largest = plan.largest_batch()
@@ -245,6 +249,7 @@ def cmd_serve(args) -> int:
                       max_num_seqs=args.max_num_seqs or DEFAULT_MAX_NUM_SEQS, max_model_len=args.max_model_len,
                       enable_prefix_caching=args.enable_prefix_caching,
                       enable_chunked_prefill=args.enable_chunked_prefill, block_size=args.block_size or None,
+                      kv_cache_dtype=args.kv_cache_dtype,
                       **scaleout_kwargs(args))
     name = args.served_model_name or model_name
     if replicas:  # Ray Serve: each replica builds its engine

@@ -20,7 +20,7 @@ from specdecode.engine.scheduler import Scheduler
 from specdecode.engine.sequence import RequestOutput, Sequence, SpecStats
 from specdecode.engine.step import StepRunner
 from specdecode.errors import ConfigError
-from specdecode.model.cache import BLOCK_SIZE
+from specdecode.model.cache import BLOCK_SIZE, KV_DTYPES
 from specdecode.model.loading import resolve_device, resolve_quantization
 from specdecode.model.tokenizer import Tokenizer
 from specdecode.catalog.registry import default_speculative_config, model_name, resolve_model
@@ -37,7 +37,7 @@ class LLM:
                  draft_tensor_parallel_size: int | None = None, memory_budget: int | None = None,
                  gpu_memory_utilization: float | None = None, threads: int | None = None,
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
-                 block_size: int | None = BLOCK_SIZE):
+                 block_size: int | None = BLOCK_SIZE, kv_cache_dtype: str = "auto"):
         """model: a model name (default: smollm2-135m-instruct, fetched on first use), a .gguf file, or a
         Hugging Face checkpoint directory.
         speculative_config: vLLM-style dict, e.g. {"method": "ngram", "num_speculative_tokens": 8}; None (default)
@@ -62,6 +62,8 @@ class LLM:
         block_size: positions per block of the paged KV cache (memory follows the tokens held; vLLM's name);
         None: one preallocated row of max_model_len per sequence (the slots layout; always so under tensor
         parallelism).
+        kv_cache_dtype: what the target's keys and values are stored as: "auto" (float32 on CPU, the model's dtype
+        elsewhere), "float32", "bfloat16" or "float16" (half the memory, every cached entry rounded; vLLM's name).
         enable_chunked_prefill: a long prompt that arrives while other requests decode is prefilled in chunks of
         about one step's time between their steps, instead of stalling them for its whole prefill."""
         if threads is not None:
@@ -83,9 +85,13 @@ class LLM:
         if block_size is not None and (not isinstance(block_size, int) or block_size < 1):
             raise ConfigError(f"block_size must be a positive integer or None, got {block_size!r}")
         block_size = block_size if tensor_parallel_size == 1 else None
+        if kv_cache_dtype != "auto" and kv_cache_dtype not in KV_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be 'auto' or one of {', '.join(KV_DTYPES)}, got {kv_cache_dtype!r}")
+        if kv_cache_dtype != "auto" and tensor_parallel_size > 1:
+            raise ConfigError("kv_cache_dtype applies with tensor_parallel_size 1; leave it 'auto'")
         self.plan, max_num_seqs = plan_batch(self.model_dir, self.spec_config, dtype, self.device, max_num_seqs,
                                              max_model_len, tensor_parallel_size, quantization, memory_budget,
-                                             gpu_memory_utilization, block_size)
+                                             gpu_memory_utilization, block_size, kv_cache_dtype)
         self.tensor_parallel_size = tensor_parallel_size
         self.target = load_target(self.model_dir, dtype, self.device, quantization, tensor_parallel_size,
                                   draft_tensor_parallel_size)
@@ -98,6 +104,7 @@ class LLM:
         self.runner = StepRunner(self.target, self.proposer)
         self.runner.prefix_caching = bool(enable_prefix_caching)
         self.runner.block_size = block_size
+        self.runner.kv_dtype = KV_DTYPES.get(kv_cache_dtype)
         if self.plan is not None and block_size is not None:
             self.runner.num_blocks = self.plan.num_blocks()
         self.runner.chunked_prefill = bool(enable_chunked_prefill)

@@ -19,7 +19,7 @@ from specdecode.speculation.control import SpecController, best_tree_width
 def plan_batch(model_dir: Path, spec_config: SpeculativeConfig | None, dtype, device: torch.device,
                max_num_seqs: int, max_model_len: int | None, tensor_parallel_size: int, quantization: str | None,
                memory_budget: int | None, gpu_memory_utilization: float | None,
-               block_size: int | None = None) -> tuple[MemoryPlan | None, int]:
+               block_size: int | None = None, kv_cache_dtype: str = "auto") -> tuple[MemoryPlan | None, int]:
     """(the capacity plan, the sequences to run): without a budget, no plan and max_num_seqs as given; with one, the
     most sequences that may run at once (paged: max_num_seqs; slots: those of max_model_len that fit, at most
     max_num_seqs), refused when not even one does."""
@@ -27,7 +27,8 @@ def plan_batch(model_dir: Path, spec_config: SpeculativeConfig | None, dtype, de
     if budget is None:
         return None, max_num_seqs
     plan = plan_memory(model_dir, budget, max_model_len, max_num_seqs, spec_config, dtype, device,
-                       tensor_parallel_size, quantization=quantization, block_size=block_size)
+                       tensor_parallel_size, quantization=quantization, block_size=block_size,
+                       kv_cache_dtype=kv_cache_dtype)
     if plan.largest_batch() < 1:
         raise ConfigError(plan.refusal())
     return plan, min(max_num_seqs, plan.largest_batch())

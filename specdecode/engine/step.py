@@ -65,6 +65,8 @@ class StepRunner:
         """Positions per block of the target's paged KV cache; None: the slots layout (a row of max_len each)."""
         self.num_blocks: int | None = None
         """The paged pool's size in blocks (from the capacity plan); None: every row at max_len."""
+        self.kv_dtype: torch.dtype | None = None
+        """What the target's cache stores (None: the model's kv_dtype)."""
         self.slots = SlotPool(0)
         """The cache's free rows and what they held last (rebuilt empty with the cache)."""
         # Target hidden states the proposer reads (EAGLE, Medusa), taken from the passes that verify.
@@ -88,6 +90,8 @@ class StepRunner:
             old = cache
             slots, need = max(slots, old.num_slots if old else 0), max(need, old.max_len if old else 0)
             paging = {} if self.block_size is None else {"block_size": self.block_size, "num_blocks": self.num_blocks}
+            if self.kv_dtype is not None:
+                paging["dtype"] = self.kv_dtype
             self.cache = self.target.make_cache(slots, need, **paging)
             if type(old) is not KVCache or type(self.cache) is not KVCache:  # (tensor-parallel caches start empty)
                 self.slots = SlotPool(self.cache.num_slots, self.prefix_caching)

@@ -83,10 +83,35 @@ inline float exp1(float x) {
   return p * scale;
 }
 
+// The cache's element types: float32, bfloat16, float16. A stored key or value is read as the float it exactly is
+// (the 16-bit formats widen without rounding), the same number on the vector and the scalar paths.
+inline float widen(float x) { return x; }
+inline float widen(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float widen(c10::Half x) { return static_cast<float>(x); }
+template <typename T> inline T narrow(float x) { return static_cast<T>(x); }  // round to nearest even
+
+#if defined(__AVX2__)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+inline __m256 load8(const c10::Half* p) {
+#if defined(__F16C__)
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  alignas(32) float wide[8];
+  for (int i = 0; i < 8; ++i) wide[i] = static_cast<float>(p[i]);
+  return _mm256_load_ps(wide);
+#endif
+}
+#endif
+
 // Scores of one query q [hd] (already scaled) over positions [0, L) of keys stored in blocks of bs positions:
 // key_blocks[i] [hd][bs] (transposed) holds positions i*bs... scores [L]. Each position's score is the same chain of
 // FMAs over d whichever loop computes it, so the numbers do not depend on the block size or where blocks sit.
-void score_positions(const float* q, const float* const* key_blocks, int64_t bs, int64_t L, int64_t hd,
+template <typename T>
+void score_positions(const float* q, const T* const* key_blocks, int64_t bs, int64_t L, int64_t hd,
                      float* scores) {
   auto column = [&](int64_t j) { return key_blocks[j / bs] + j % bs; };  // position j's key: column(j)[d * bs]
   int64_t j = 0;
@@ -95,14 +120,14 @@ void score_positions(const float* q, const float* const* key_blocks, int64_t bs,
     auto in_block = [&](int64_t at) { return at % bs + 8 <= bs; };  // 8 positions from `at` in one block
     if (j + 32 <= L && in_block(j) && in_block(j + 8) && in_block(j + 16) && in_block(j + 24)) {
       // four runs of 8 positions at once: four independent chains of FMAs
-      const float *k0 = column(j), *k1 = column(j + 8), *k2 = column(j + 16), *k3 = column(j + 24);
+      const T *k0 = column(j), *k1 = column(j + 8), *k2 = column(j + 16), *k3 = column(j + 24);
       __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
       for (int64_t d = 0; d < hd; ++d) {
         const __m256 qd = _mm256_set1_ps(q[d]);
-        a0 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k0 + d * bs), a0);
-        a1 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k1 + d * bs), a1);
-        a2 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k2 + d * bs), a2);
-        a3 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k3 + d * bs), a3);
+        a0 = _mm256_fmadd_ps(qd, load8(k0 + d * bs), a0);
+        a1 = _mm256_fmadd_ps(qd, load8(k1 + d * bs), a1);
+        a2 = _mm256_fmadd_ps(qd, load8(k2 + d * bs), a2);
+        a3 = _mm256_fmadd_ps(qd, load8(k3 + d * bs), a3);
       }
       _mm256_storeu_ps(scores + j, a0);
       _mm256_storeu_ps(scores + j + 8, a1);
@@ -112,17 +137,17 @@ void score_positions(const float* q, const float* const* key_blocks, int64_t bs,
       continue;
     }
     if (j + 8 <= L && in_block(j)) {
-      const float* k0 = column(j);
+      const T* k0 = column(j);
       __m256 acc = _mm256_setzero_ps();
-      for (int64_t d = 0; d < hd; ++d) acc = _mm256_fmadd_ps(_mm256_set1_ps(q[d]), _mm256_loadu_ps(k0 + d * bs), acc);
+      for (int64_t d = 0; d < hd; ++d) acc = _mm256_fmadd_ps(_mm256_set1_ps(q[d]), load8(k0 + d * bs), acc);
       _mm256_storeu_ps(scores + j, acc);
       j += 8;
       continue;
     }
 #endif
-    const float* k0 = column(j);
+    const T* k0 = column(j);
     float acc = 0.0f;
-    for (int64_t d = 0; d < hd; ++d) acc = std::fma(q[d], k0[d * bs], acc);
+    for (int64_t d = 0; d < hd; ++d) acc = std::fma(q[d], widen(k0[d * bs]), acc);
     scores[j++] = acc;
   }
 }
@@ -130,8 +155,8 @@ void score_positions(const float* q, const float* const* key_blocks, int64_t bs,
 // Softmax attention of one query q [hd] (already scaled) over positions [0, L) of one kv head, stored in blocks of
 // bs positions: key_blocks[i] [hd][bs] (transposed) and val_blocks[i] [bs][hd] hold positions i*bs...; allowed(j)
 // says which positions it sees. scores: scratch of L floats. out [hd].
-template <typename Allowed>
-void attend_one(const float* q, const float* const* key_blocks, const float* const* val_blocks, int64_t bs,
+template <typename T, typename Allowed>
+void attend_one(const float* q, const T* const* key_blocks, const T* const* val_blocks, int64_t bs,
                 int64_t L, int64_t hd, Allowed allowed, float* scores, float* out) {
   score_positions(q, key_blocks, bs, L, hd, scores);
   int64_t j = 0;
@@ -154,15 +179,76 @@ void attend_one(const float* q, const float* const* key_blocks, const float* con
   for (j = 0; j < L; ++j) {
     if (scores[j] == 0.0f) continue;  // masked (or underflowed): adds nothing
     const float p = scores[j] * inv;
-    const float* v = val_blocks[j / bs] + (j % bs) * hd;
+    const T* v = val_blocks[j / bs] + (j % bs) * hd;
     int64_t d = 0;
 #if defined(__AVX2__)
     const __m256 p8 = _mm256_set1_ps(p);
     for (; d + 8 <= hd; d += 8)
-      _mm256_storeu_ps(out + d, _mm256_fmadd_ps(p8, _mm256_loadu_ps(v + d), _mm256_loadu_ps(out + d)));
+      _mm256_storeu_ps(out + d, _mm256_fmadd_ps(p8, load8(v + d), _mm256_loadu_ps(out + d)));
 #endif
-    for (; d < hd; ++d) out[d] = std::fma(p, v[d], out[d]);
+    for (; d < hd; ++d) out[d] = std::fma(p, widen(v[d]), out[d]);
   }
+}
+
+// What the cache write and attention of one layer_step need besides the cache (see layer_step).
+struct CacheStep {
+  int64_t B, T, H, G, hd, bs, width, pending, qkv_width;
+  const int64_t* table;  // [B, width]
+  const int64_t* length;  // [B]
+  const bool* mask;  // [B, T, pending + T] or null
+};
+
+// The new keys and values into the cache (rounded to its element type E), then every (token, head)'s attention
+// over its row, written to attn_data [B*T, H*hd].
+template <typename E>
+void cache_attention(const CacheStep& step, const float* qkv_data, E* kd, E* vd, float* attn_data) {
+  const int64_t B = step.B, T = step.T, H = step.H, G = step.G, hd = step.hd, bs = step.bs, width = step.width;
+  const int64_t pending = step.pending, qkv_width = step.qkv_width;
+  const int64_t* table = step.table;
+  const int64_t* length = step.length;
+  const bool* mask = step.mask;
+  const int64_t group = H / G, fresh = pending + T;
+  const int64_t k_block = G * hd * bs, v_block = G * bs * hd;  // elements per block (one layer)
+  for (int64_t b = 0; b < B; ++b) {  // the new keys and values into the cache
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t pos = length[b] + pending + t, block = table[b * width + pos / bs], at = pos % bs;
+      const float* row = qkv_data + (b * T + t) * qkv_width;
+      for (int64_t g = 0; g < G; ++g) {
+        const float* k = row + (H + g) * hd;
+        const float* v = row + (H + G + g) * hd;
+        E* kt = kd + block * k_block + g * hd * bs + at;
+        E* vt = vd + block * v_block + (g * bs + at) * hd;
+        for (int64_t d = 0; d < hd; ++d) kt[d * bs] = narrow<E>(k[d]);
+        for (int64_t d = 0; d < hd; ++d) vt[d] = narrow<E>(v[d]);
+      }
+    }
+  }
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  at::parallel_for(0, B * T * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(width * bs), q(hd);
+    std::vector<const E*> key_blocks(width), val_blocks(width);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t i = item / H, head = item % H, b = i / T, t = i % T, g = head / group;
+      const int64_t prefix = length[b], L = prefix + fresh;
+      const float* src = qkv_data + i * qkv_width + head * hd;
+      for (int64_t d = 0; d < hd; ++d) q[d] = src[d] * scale;
+      for (int64_t n = 0; n * bs < L; ++n) {
+        const int64_t block = table[b * width + n];
+        key_blocks[n] = kd + block * k_block + g * hd * bs;
+        val_blocks[n] = vd + block * v_block + g * bs * hd;
+      }
+      float* out = attn_data + i * H * hd + head * hd;
+      if (mask != nullptr) {
+        const bool* seen = mask + (b * T + t) * fresh;
+        attend_one(q.data(), key_blocks.data(), val_blocks.data(), bs, L, hd,
+                   [&](int64_t j) { return j < prefix || seen[j - prefix]; }, scores.data(), out);
+      } else {
+        const int64_t last = prefix + pending + t;  // causal among the fresh positions
+        attend_one(q.data(), key_blocks.data(), val_blocks.data(), bs, L, hd, [&](int64_t j) { return j <= last; },
+                   scores.data(), out);
+      }
+    }
+  });
 }
 
 }  // namespace
@@ -178,8 +264,9 @@ void layer_step(torch::Tensor x, const torch::Tensor& input_norm, const torch::T
                 int64_t pending, const c10::optional<torch::Tensor>& visible, int64_t num_heads,
                 int64_t num_kv_heads, int64_t new_tokens) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2, "x must be [B*T, D] float32");
-  TORCH_CHECK(keys.dtype() == torch::kFloat32 && values.dtype() == torch::kFloat32 && keys.is_contiguous() &&
-              values.is_contiguous(), "the cache must be contiguous float32");
+  TORCH_CHECK(keys.dtype() == values.dtype() && keys.is_contiguous() && values.is_contiguous() &&
+              (keys.dtype() == torch::kFloat32 || keys.dtype() == torch::kBFloat16 ||
+               keys.dtype() == torch::kFloat16), "the cache must be contiguous float32, bfloat16 or float16");
   const int64_t BT = x.size(0), D = x.size(1), T = new_tokens, B = BT / T;
   const int64_t H = num_heads, G = num_kv_heads, hd = cos.size(1), group = H / G;
   const int64_t bs = keys.size(3), num_blocks = keys.size(0), fresh = pending + T;
@@ -237,50 +324,15 @@ void layer_step(torch::Tensor x, const torch::Tensor& input_norm, const torch::T
       for (int64_t d = 0; d < hd; ++d) v[d] = v[d] * cs[i * hd + d] + rolled[d] * sn[i * hd + d];
     }
   }
-  float* kd = keys.data_ptr<float>();
-  float* vd = values.data_ptr<float>();
-  const int64_t k_block = G * hd * bs, v_block = G * bs * hd;  // floats per block (one layer)
-  for (int64_t b = 0; b < B; ++b) {  // the new keys and values into the cache
-    for (int64_t t = 0; t < T; ++t) {
-      const int64_t pos = length[b] + pending + t, block = table[b * width + pos / bs], at = pos % bs;
-      const float* row = qkv_data + (b * T + t) * qkv_width;
-      for (int64_t g = 0; g < G; ++g) {
-        const float* k = row + (H + g) * hd;
-        const float* v = row + (H + G + g) * hd;
-        float* kt = kd + block * k_block + g * hd * bs + at;
-        for (int64_t d = 0; d < hd; ++d) kt[d * bs] = k[d];
-        std::memcpy(vd + block * v_block + (g * bs + at) * hd, v, hd * sizeof(float));
-      }
-    }
-  }
   auto attn = torch::empty({BT, H * hd}, torch::kFloat32);
-  float* attn_data = attn.data_ptr<float>();
-  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  at::parallel_for(0, BT * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(width * bs), q(hd);
-    std::vector<const float*> key_blocks(width), val_blocks(width);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t i = item / H, head = item % H, b = i / T, t = i % T, g = head / group;
-      const int64_t prefix = length[b], L = prefix + fresh;
-      const float* src = qkv_data + i * qkv_width + head * hd;
-      for (int64_t d = 0; d < hd; ++d) q[d] = src[d] * scale;
-      for (int64_t n = 0; n * bs < L; ++n) {
-        const int64_t block = table[b * width + n];
-        key_blocks[n] = kd + block * k_block + g * hd * bs;
-        val_blocks[n] = vd + block * v_block + g * bs * hd;
-      }
-      float* out = attn_data + i * H * hd + head * hd;
-      if (mask != nullptr) {
-        const bool* seen = mask + (b * T + t) * fresh;
-        attend_one(q.data(), key_blocks.data(), val_blocks.data(), bs, L, hd,
-                   [&](int64_t j) { return j < prefix || seen[j - prefix]; }, scores.data(), out);
-      } else {
-        const int64_t last = prefix + pending + t;  // causal among the fresh positions
-        attend_one(q.data(), key_blocks.data(), val_blocks.data(), bs, L, hd, [&](int64_t j) { return j <= last; },
-                   scores.data(), out);
-      }
-    }
-  });
+  const CacheStep step{B, T, H, G, hd, bs, width, pending, qkv_width, table, length, mask};
+  if (keys.scalar_type() == torch::kFloat32)
+    cache_attention(step, qkv_data, keys.data_ptr<float>(), values.data_ptr<float>(), attn.data_ptr<float>());
+  else if (keys.scalar_type() == torch::kBFloat16)
+    cache_attention(step, qkv_data, keys.data_ptr<c10::BFloat16>(), values.data_ptr<c10::BFloat16>(),
+                    attn.data_ptr<float>());
+  else
+    cache_attention(step, qkv_data, keys.data_ptr<c10::Half>(), values.data_ptr<c10::Half>(), attn.data_ptr<float>());
   auto o = qmatmul_parts(attn, w_o, f_o, true);  // [BT, D]
   const float* od = o.data_ptr<float>();
   for (int64_t i = 0; i < BT * D; ++i) xs[i] += od[i];

@@ -22,6 +22,10 @@ import torch
 
 from specdecode.model.blocks import BLOCK_SIZE, ROOT, BlockPool, CacheFull
 
+KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""What keys and values may be stored as (the fused kernels widen 16-bit entries exactly and round new ones to
+nearest): half the memory of float32 for a little rounding of every cached entry."""
+
 
 class KVCache:
     """Per-layer keys [blocks, kv_heads, head_dim, block_size], values [blocks, kv_heads, block_size, head_dim],
@@ -344,4 +348,4 @@ def common_prefix(a, b) -> int:
     return i
 
 
-__all__ = ["BLOCK_SIZE", "CacheFull", "KVCache", "common_prefix"]
+__all__ = ["BLOCK_SIZE", "KV_DTYPES", "CacheFull", "KVCache", "common_prefix"]

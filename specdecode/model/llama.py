@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdecode.model.attention import CacheContext
-from specdecode.model.cache import KVCache
+from specdecode.model.cache import KV_DTYPES, KVCache
 from specdecode.model.config import ModelConfig
 
 
@@ -174,9 +174,10 @@ class LlamaForCausalLM(nn.Module):
 
     def fused_layers(self, cache: KVCache):
         """(the kernel, per-layer arguments, heads, kv heads) for cached forwards through kernels/layer.cpp - every
-        layer block-quantized, float32 on CPU with a float32 cache (Qwen3's q/k norms included) - or None: the layers
+        layer block-quantized, float32 on CPU with a float32, bfloat16 or float16 cache (Qwen3's q/k norms included) -
+        or None: the layers
         then run as modules. The arguments are gathered once (the weights of an inference model do not change)."""
-        if cache.k[0].dtype != torch.float32 or not cache.k[0].is_contiguous():
+        if cache.k[0].dtype not in KV_DTYPES.values() or not cache.k[0].is_contiguous():
             return None
         prepared = self.__dict__.get("_fused_layers", False)
         if prepared is not False:
@@ -214,13 +215,13 @@ class LlamaForCausalLM(nn.Module):
         return isinstance(self.lm_head, QuantLinear) and self.fused_layers(self.make_cache(1, 1)) is not None
 
     def make_cache(self, slots: int, max_len: int, block_size: int | None = None,
-                   num_blocks: int | None = None) -> KVCache:
+                   num_blocks: int | None = None, dtype: torch.dtype | None = None) -> KVCache:
         """A KV cache of `slots` rows of up to max_len positions: paged in blocks of block_size (a pool of
-        num_blocks), or one preallocated block a row (block_size None)."""
+        num_blocks), or one preallocated block a row (block_size None); dtype default kv_dtype."""
         c = self.config
         kv_heads = self.model.layers[0].self_attn.num_kv_heads  # this rank's share under tensor parallelism
-        return KVCache(c.num_hidden_layers, slots, kv_heads, max_len, c.head_dim,
-                       dtype=self.kv_dtype, device=self.device, block_size=block_size, num_blocks=num_blocks)
+        return KVCache(c.num_hidden_layers, slots, kv_heads, max_len, c.head_dim, dtype=dtype or self.kv_dtype,
+                       device=self.device, block_size=block_size, num_blocks=num_blocks)
 
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin (see apply_rotary) [B, T, 1, head_dim] for position ids [B, T]."""

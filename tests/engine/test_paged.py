@@ -5,8 +5,10 @@ import dataclasses
 import random
 
 import pytest
+import torch
 
 from specdecode.engine.llm import LLM
+from specdecode.errors import ConfigError
 from specdecode.model.quant import kernels
 from specdecode.sampling import SamplingParams, choice_seed
 
@@ -104,6 +106,22 @@ def test_choices_share_their_prompt_and_a_pool_of_one_sequence_serves_them_in_tu
     tight.runner.num_blocks = 32 + 2  # one sequence of max_model_len and its tree room: the plan's minimum
     assert [c.token_ids for c in tight.generate(prompt, params)[0].outputs] == expected
     assert_no_leak(tight)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "float16"])
+def test_a_16_bit_cache_keeps_speculation_exact_and_sharing_bitwise(tiny_models, kv_cache_dtype):
+    """Keys and values stored in 16 bits: half the pool's bytes a position, and still every configuration gives the
+    plain slots layout's tokens in that dtype (the kernels round each entry once, the same way wherever it is)."""
+    reference = wave(engine(tiny_models, max_num_seqs=8, block_size=None, enable_prefix_caching=False,
+                            kv_cache_dtype=kv_cache_dtype))
+    for spec in (None, SPECS["ngram"]):
+        llm = engine(tiny_models, spec, max_num_seqs=8, kv_cache_dtype=kv_cache_dtype)
+        assert wave(llm) == reference
+        assert llm.runner.cache.k[0].dtype == getattr(torch, kv_cache_dtype)
+        assert llm.runner.slots.stats.hits > 0
+        assert_no_leak(llm)
+    with pytest.raises(ConfigError, match="kv_cache_dtype must be"):
+        engine(tiny_models, kv_cache_dtype="fp8")
 
 
 def test_random_scenarios_leave_no_block_behind(tiny_models):

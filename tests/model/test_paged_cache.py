@@ -127,3 +127,23 @@ def test_forks_share_full_blocks_and_copy_the_partial_one():
         logits = m(torch.tensor([[7], [7], [7]]), cache=cache, slots=torch.tensor([0, 1, 2])).logits
     assert torch.equal(logits[0], logits[1]) and torch.equal(logits[0], logits[2])
     assert cache.leak() is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_16_bit_cache_runs_the_fused_kernels_and_stays_batch_and_placement_invariant(dtype):
+    m = model(True)
+    prompts = [list(range(1, 12)), list(range(20, 26)), list(range(30, 53))]
+    slots_cache = m.make_cache(3, 64, dtype=dtype)
+    assert slots_cache.k[0].dtype == dtype and m.fused_layers(slots_cache) is not None
+    slots = run(m, slots_cache, prompts, 4)
+    paged = run(m, m.make_cache(3, 64, block_size=5, num_blocks=40, dtype=dtype), prompts, 4)
+    for a, b in zip(slots, paged):
+        assert torch.equal(a, b)
+    wide = run(m, m.make_cache(3, 64), prompts, 4)  # float32: close, not equal (each entry rounded to 16 bits)
+    assert not all(torch.equal(a, b) for a, b in zip(slots, wide))
+    assert all((a - b).abs().max() < 0.1 * b.abs().max() for a, b in zip(slots, wide))
+    # a row alone gives the numbers it gives in the batch
+    alone = m.make_cache(1, 64, dtype=dtype)
+    with torch.inference_mode():
+        logits = m(torch.tensor([prompts[2]]), cache=alone).logits
+    assert torch.equal(logits, slots[0])
