@@ -113,11 +113,16 @@ inline __m256 load8(const c10::Half* p) {
 template <typename T>
 void score_positions(const float* q, const T* const* key_blocks, int64_t bs, int64_t L, int64_t hd,
                      float* scores) {
-  auto column = [&](int64_t j) { return key_blocks[j / bs] + j % bs; };  // position j's key: column(j)[d * bs]
+  // position j's key: column(j)[d * bs] (a shift and a mask for the paged sizes, powers of two; else a division)
+  const bool pow2 = (bs & (bs - 1)) == 0;
+  const int shift = pow2 ? __builtin_ctzll(static_cast<unsigned long long>(bs)) : 0;
+  auto column = [&](int64_t j) {
+    return pow2 ? key_blocks[j >> shift] + (j & (bs - 1)) : key_blocks[j / bs] + j % bs;
+  };
   int64_t j = 0;
   while (j < L) {
 #if defined(__AVX2__)
-    auto in_block = [&](int64_t at) { return at % bs + 8 <= bs; };  // 8 positions from `at` in one block
+    auto in_block = [&](int64_t at) { return (pow2 ? (at & (bs - 1)) : at % bs) + 8 <= bs; };  // 8 in one block
     if (j + 32 <= L && in_block(j) && in_block(j + 8) && in_block(j + 16) && in_block(j + 24)) {
       // four runs of 8 positions at once: four independent chains of FMAs
       const T *k0 = column(j), *k1 = column(j + 8), *k2 = column(j + 16), *k3 = column(j + 24);
@@ -176,17 +181,20 @@ void attend_one(const float* q, const T* const* key_blocks, const T* const* val_
   for (j = 0; j < L; ++j) total += scores[j];
   const float inv = 1.0f / total;
   for (int64_t d = 0; d < hd; ++d) out[d] = 0.0f;
-  for (j = 0; j < L; ++j) {
-    if (scores[j] == 0.0f) continue;  // masked (or underflowed): adds nothing
-    const float p = scores[j] * inv;
-    const T* v = val_blocks[j / bs] + (j % bs) * hd;
-    int64_t d = 0;
+  for (int64_t start = 0, block = 0; start < L; start += bs, ++block) {  // positions in order, block by block
+    const T* values = val_blocks[block];
+    for (j = start; j < std::min(start + bs, L); ++j) {
+      if (scores[j] == 0.0f) continue;  // masked (or underflowed): adds nothing
+      const float p = scores[j] * inv;
+      const T* v = values + (j - start) * hd;
+      int64_t d = 0;
 #if defined(__AVX2__)
-    const __m256 p8 = _mm256_set1_ps(p);
-    for (; d + 8 <= hd; d += 8)
-      _mm256_storeu_ps(out + d, _mm256_fmadd_ps(p8, load8(v + d), _mm256_loadu_ps(out + d)));
+      const __m256 p8 = _mm256_set1_ps(p);
+      for (; d + 8 <= hd; d += 8)
+        _mm256_storeu_ps(out + d, _mm256_fmadd_ps(p8, load8(v + d), _mm256_loadu_ps(out + d)));
 #endif
-    for (; d < hd; ++d) out[d] = std::fma(p, widen(v[d]), out[d]);
+      for (; d < hd; ++d) out[d] = std::fma(p, widen(v[d]), out[d]);
+    }
   }
 }
 
