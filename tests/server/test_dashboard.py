@@ -1,7 +1,7 @@
 """The dashboard's routes and the metrics it draws, on the tiny models (the page in a real browser, and a real
 Prometheus scraping the server, are tests/server/test_observability.py): the page and its script come from the
 package and load nothing from elsewhere; /dashboard/data carries the very numbers /metrics shows; the counters added
-for it agree with the engine's own counts; the KV gauge follows the tokens the running sequences hold; and every
+for it agree with the engine's own counts; the KV gauges follow the blocks the running sequences reference; and every
 metric is documented in docs/metrics.md."""
 import re
 import threading
@@ -85,28 +85,38 @@ def test_added_counters_agree_with_the_engine(server):
     assert after["specdecode:kv_cache_usage_perc"] == 0  # nothing runs any more
 
 
-def test_kv_use_is_the_share_of_positions_the_running_sequences_hold(server, monkeypatch):
+def test_kv_use_is_the_share_of_blocks_the_running_sequences_reference(server, monkeypatch):
+    cache = server.llm.runner.cache
+    assert cache.paged, "the server fixture is meant to use the engine's default, paged, cache"
     gate = StepGate(server.engine, monkeypatch)
     answers = []
-    request = threading.Thread(target=lambda: answers.append(complete(server, "import os\nimport sys", 6)))
+    prompt = "import os\nimport sys\nimport json\nimport time\n\ndef main(argv):\n    return len(argv)\n"
+    request = threading.Thread(target=lambda: answers.append(complete(server, prompt, 6)))
     request.start()
     try:
         assert gate.entered.wait(WAIT)  # prefilled: the prompt and the first token are in the cache
-        held = exposition(server.url)["specdecode:kv_cache_usage_perc"]
+        held = exposition(server.url)
     finally:
         gate.opened.set()
         request.join(WAIT)
-    positions = server.llm.max_num_seqs * server.llm.max_model_len
-    assert held == (answers[0]["usage"]["prompt_tokens"] + 1) / positions
+    used, free = held["specdecode:kv_cache_blocks_used"], held["specdecode:kv_cache_blocks_free"]
+    assert used + free == cache.num_blocks and 0 <= held["specdecode:kv_cache_blocks_cached"] <= free
+    assert held["specdecode:kv_cache_usage_perc"] == used / (used + free) > 0
+    prompt_tokens = answers[0]["usage"]["prompt_tokens"]
+    assert prompt_tokens > cache.block_size  # (so that the prompt spans more than one block)
+    assert used >= -(-prompt_tokens // cache.block_size)
     assert server.engine.wait_idle(WAIT)
-    assert exposition(server.url)["specdecode:kv_cache_usage_perc"] == 0
+    idle = exposition(server.url)
+    assert idle["specdecode:kv_cache_usage_perc"] == 0 and idle["specdecode:kv_cache_blocks_used"] == 0
+    assert idle["specdecode:kv_cache_blocks_free"] == cache.num_blocks
 
 
 def test_every_metric_is_documented():
     """docs/metrics.md names each metric as /metrics writes it (counters with _total), and no other."""
     documented = set(re.findall(r"`(specdecode:[a-z0-9_]+)`", DOCS.read_text()))
     metrics = EngineMetrics()  # watching a combining proposer (auto) adds its by-source counters
-    metrics.watch(SimpleNamespace(num_slots=1, running=[]), 8, "auto", SimpleNamespace(counts={"ngram": [3, 1]}))
+    scheduler = SimpleNamespace(num_slots=1, running=[], runner=SimpleNamespace(paged=False))
+    metrics.watch(scheduler, 8, "auto", SimpleNamespace(counts={"ngram": [3, 1]}))
     exposed = {f.name + ("_total" if f.type == "counter" else "") for f in metrics.registry.collect()}
     assert exposed - documented == set(), "document these in docs/metrics.md"
     assert documented - exposed == set(), "docs/metrics.md names metrics that do not exist"

@@ -65,6 +65,10 @@ function derive(a, b) {
     running: sample(b.samples, "num_requests_running"),
     waiting: sample(b.samples, "num_requests_waiting"),
     kv: 100 * sample(b.samples, "kv_cache_usage_perc"),
+    prefixHits: ratio(100 * d("prefix_cache_hits_total"), d("prefix_cache_queries_total")),
+    preemptions: d("num_preemptions_total") * 60 / dt,
+    blocksUsed: sample(b.samples, "kv_cache_blocks_used"),
+    blocksCached: sample(b.samples, "kv_cache_blocks_cached"),
   };
 }
 
@@ -271,6 +275,8 @@ function draw() {
   ], { digits: 0 });
   lineChart(document.getElementById("chart-kv"), [
     { name: "KV use %", color: COLORS[3], get: (p) => p.kv, digits: 1 },
+    { name: "prefix hits %", color: COLORS[2], get: (p) => p.prefixHits, digits: 1 },
+    { name: "preemptions/min", color: COLORS[5], get: (p) => p.preemptions, digits: 1 },
   ], { digits: 0, max: 100, fixed: true });
 }
 
@@ -285,6 +291,7 @@ function tiles() {
   set("tile-batch", fmt(p.batch, 1));
   set("tile-queue", fmt(p.waiting, 0));
   set("tile-kv", `${fmt(p.kv, 1)}%`);
+  set("tile-blocks", `${fmt(p.blocksUsed, 0)} + ${fmt(p.blocksCached, 0)}`);
 }
 
 // -- polling ---------------------------------------------------------------------------------------------------
