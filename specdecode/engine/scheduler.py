@@ -163,7 +163,8 @@ class Scheduler:
         joining = []
         longest = deepest = 0  # over `joining`: the most new tokens of a row, the longest reused prefix
         sharing = [s for s in self.prefilling]  # whose blocks later joiners with the same beginning should wait for
-        promised = sum(runner.blocks_to_finish(s) for s in self.prefilling)  # blocks admitted, not yet taken
+        # blocks admitted but not taken yet, and those the running sequences' next step takes
+        promised = sum(runner.blocks_to_finish(s) for s in self.prefilling) + runner.step_headroom(self.running)
         while (self.waiting and len(self.pool)
                and len(self.running) + len(self.prefilling) + len(joining) < self.num_slots
                and not (self.prefill_alone and joining)):
@@ -182,8 +183,7 @@ class Scheduler:
                 if not chunked:  # the rows already joining take more too, padded to the new width
                     need += sum(runner.admission_blocks(s, [], s.prefilled + new_longest)
                                 - runner.admission_blocks(s, [], s.prefilled + longest) for s in joining)
-                busy = len(self.running) + len(self.prefilling) + len(joining)
-                if need + promised + runner.step_headroom(busy) > runner.cache.pool.available:
+                if need + promised > runner.cache.pool.available:
                     break  # not enough blocks yet: it waits for others to finish
                 promised += need
             self.waiting.popleft()

@@ -142,9 +142,12 @@ class StepRunner:
         """Whether the pool has the blocks for the next `tokens` of a prompt being prefilled in chunks."""
         return not self.paged or self.cache.blocks_needed(seq.slot, seq.prefilled + tokens) <= self.cache.pool.available
 
-    def step_headroom(self, running: int) -> int:
-        """Blocks kept free at admission for the next step of `running` sequences (a new block each, for a tree)."""
-        return running * (1 + -(-(self.tree_room + 1) // self.cache.block_size)) if self.paged else 0
+    def step_headroom(self, running: list[Sequence]) -> int:
+        """Blocks the next step of the running sequences takes (each one's tree room beyond its tokens)."""
+        if not self.paged:
+            return 0
+        room = self.tree_room + 1
+        return sum(self.cache.blocks_needed(s.slot, int(self.cache.lengths[s.slot]) + room) for s in running)
 
     def take(self, seq: Sequence, slot: int, reused: int, blocks: list[int]) -> None:
         """Give a joining sequence its row and the blocks it reuses (held from now on: not evicted)."""
