@@ -1,7 +1,7 @@
 """Soak the server: N concurrent clients for a bounded time, streaming and not, greedy and sampled, completions and
 chat, with random mid-stream disconnects and cancelled requests. Checks: no 5xx; every greedy answer that completed
 equals offline `LLM.generate` for the same prompt; no slot or memory leak (the server's RSS after the run within
-10% of its RSS after warm-up; the running and waiting gauges back to 0).
+10% of its RSS after warm-up; the running and waiting gauges, and the KV blocks used, back to 0).
 
     specdecode bench soak                         # SmolLM2 (float32), 64 clients, 10 minutes
     specdecode bench soak --clients 16 --duration 60 --model DIR --speculative-model DRAFT
@@ -198,7 +198,7 @@ def gauges(url: str) -> dict:
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(f"{url}/metrics", timeout=30).text
-    wanted = {"specdecode:num_requests_running", "specdecode:num_requests_waiting"}
+    wanted = {"specdecode:num_requests_running", "specdecode:num_requests_waiting", "specdecode:kv_cache_blocks_used"}
     return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples
             if s.name in wanted}
 

@@ -60,6 +60,9 @@ def register(sub) -> None:
     p.add_argument("--block-size", type=int_range(0, 1024), default=BLOCK_SIZE,
                    help=f"positions per block of the paged KV cache: memory follows the tokens held (default "
                         f"{BLOCK_SIZE}); 0: one preallocated row of --max-model-len per sequence")
+    p.add_argument("--num-kv-blocks", type=int_range(1), default=None,
+                   help="the paged pool's size in blocks instead of the memory plan's (a small pool preempts: for "
+                        "tests and soaks)")
     p.add_argument("--kv-cache-dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                    help="what the target's keys and values are stored as (default auto: float32 on CPU); bfloat16 "
                         "and float16 halve the cache for a little rounding of every entry")
@@ -249,7 +252,7 @@ def cmd_serve(args) -> int:
                       max_num_seqs=args.max_num_seqs or DEFAULT_MAX_NUM_SEQS, max_model_len=args.max_model_len,
                       enable_prefix_caching=args.enable_prefix_caching,
                       enable_chunked_prefill=args.enable_chunked_prefill, block_size=args.block_size or None,
-                      kv_cache_dtype=args.kv_cache_dtype,
+                      kv_cache_dtype=args.kv_cache_dtype, num_kv_blocks=args.num_kv_blocks,
                       **scaleout_kwargs(args))
     name = args.served_model_name or model_name
     if replicas:  # Ray Serve: each replica builds its engine

@@ -37,7 +37,8 @@ class LLM:
                  draft_tensor_parallel_size: int | None = None, memory_budget: int | None = None,
                  gpu_memory_utilization: float | None = None, threads: int | None = None,
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
-                 block_size: int | None = BLOCK_SIZE, kv_cache_dtype: str = "auto"):
+                 block_size: int | None = BLOCK_SIZE, kv_cache_dtype: str = "auto",
+                 num_kv_blocks: int | None = None):
         """model: a model name (default: smollm2-135m-instruct, fetched on first use), a .gguf file, or a
         Hugging Face checkpoint directory.
         speculative_config: vLLM-style dict, e.g. {"method": "ngram", "num_speculative_tokens": 8}; None (default)
@@ -64,6 +65,8 @@ class LLM:
         parallelism).
         kv_cache_dtype: what the target's keys and values are stored as: "auto" (float32 on CPU, the model's dtype
         elsewhere), "float32", "bfloat16" or "float16" (half the memory, every cached entry rounded; vLLM's name).
+        num_kv_blocks: the paged pool's size in blocks, instead of the plan's (vLLM's num_gpu_blocks_override; a
+        small pool makes the engine preempt, for tests and soaks).
         enable_chunked_prefill: a long prompt that arrives while other requests decode is prefilled in chunks of
         about one step's time between their steps, instead of stalling them for its whole prefill."""
         if threads is not None:
@@ -107,6 +110,10 @@ class LLM:
         self.runner.kv_dtype = KV_DTYPES.get(kv_cache_dtype)
         if self.plan is not None and block_size is not None:
             self.runner.num_blocks = self.plan.num_blocks()
+        if num_kv_blocks is not None:
+            if block_size is None or not isinstance(num_kv_blocks, int) or num_kv_blocks < 1:
+                raise ConfigError(f"num_kv_blocks must be a positive integer with a paged cache, got {num_kv_blocks!r}")
+            self.runner.num_blocks = num_kv_blocks
         self.runner.chunked_prefill = bool(enable_chunked_prefill)
         controller = None
         if self.spec_config and self.spec_config.adaptive:

@@ -180,7 +180,7 @@ class Scheduler:
                 chunked = self._chunked(seq, reused)
                 width = len(seq.token_ids) - reused if chunked else new_longest  # a batch is padded to its longest
                 need = runner.admission_blocks(seq, blocks, reused + width)
-                if not chunked:  # the rows already joining take more too, padded to the new width
+                if not chunked and new_longest > longest:  # the rows already joining take more, padded wider
                     need += sum(runner.admission_blocks(s, [], s.prefilled + new_longest)
                                 - runner.admission_blocks(s, [], s.prefilled + longest) for s in joining)
                 if need + promised > runner.cache.pool.available:

@@ -146,8 +146,8 @@ class StepRunner:
         """Blocks the next step of the running sequences takes (each one's tree room beyond its tokens)."""
         if not self.paged:
             return 0
-        room = self.tree_room + 1
-        return sum(self.cache.blocks_needed(s.slot, int(self.cache.lengths[s.slot]) + room) for s in running)
+        room, slots = self.tree_room + 1, [s.slot for s in running]
+        return self.cache.blocks_needed_many(slots, (self.cache.lengths[slots] + room).tolist())
 
     def take(self, seq: Sequence, slot: int, reused: int, blocks: list[int]) -> None:
         """Give a joining sequence its row and the blocks it reuses (held from now on: not evicted)."""
@@ -163,8 +163,13 @@ class StepRunner:
             return 0
         cache = self.cache
         width = 1 + (self.tree_room if any(budgets) else 0)
-        need = sum(cache.blocks_needed(s.slot, int(cache.lengths[s.slot]) + width) for s in seqs)
-        short = need - cache.pool.available
+        most = len(seqs) * (2 + width // cache.block_size)  # a new block or two a row, and a copy on write
+        if most <= cache.pool.available:
+            short = 0
+        else:
+            slots = [s.slot for s in seqs]
+            need = cache.blocks_needed_many(slots, (cache.lengths[slots] + width).tolist())
+            short = need - cache.pool.available
         if self.proposer is not None and any(budgets):
             short = max(short, self.proposer.cache_shortfall(seqs, budgets))
         return max(short, 0)

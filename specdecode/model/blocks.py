@@ -11,6 +11,8 @@ from __future__ import annotations
 import collections
 import itertools
 
+import numpy
+
 
 BLOCK_SIZE = 16
 """Positions per block of a paged cache (vLLM's default)."""
@@ -27,7 +29,8 @@ ROOT = 0
 class BlockPool:
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
-        self.refs = [0] * num_blocks
+        self.refs = numpy.zeros(num_blocks, dtype=numpy.int64)
+        """Table entries naming each block (an array, so that a batch's counts are one vectorized lookup)."""
         self.empty: collections.deque[int] = collections.deque(range(num_blocks))
         """Unreferenced blocks with no indexed content."""
         self.cached: collections.OrderedDict[int, None] = collections.OrderedDict()
@@ -118,6 +121,7 @@ class BlockPool:
         free = list(self.empty) + list(self.cached)
         if len(set(free)) != len(free) or any(self.refs[b] for b in free):
             return "a free block is listed twice or is still referenced"
-        if len(free) + sum(1 for r in self.refs if r) != self.num_blocks:
-            return f"blocks leaked: {len(free)} free and {sum(1 for r in self.refs if r)} referenced of {self.num_blocks}"
+        referenced = int((self.refs > 0).sum())
+        if len(free) + referenced != self.num_blocks:
+            return f"blocks leaked: {len(free)} free and {referenced} referenced of {self.num_blocks}"
         return None

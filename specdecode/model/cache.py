@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 
+import numpy
 import torch
 
 from specdecode.model.blocks import BLOCK_SIZE, ROOT, BlockPool, CacheFull
@@ -98,6 +99,19 @@ class KVCache:
             return 0
         absent, shared = self._missing(slot, min(end, self.max_len))
         return len(absent) + sum(1 for i in shared if self.pool.refs[int(self.tables[slot, i])] > 1)
+
+    def blocks_needed_many(self, slots: list[int], ends: list[int]) -> int:
+        """Sum of blocks_needed over rows, vectorized (one pass over the rows' tables, not a loop per row)."""
+        if self.pool is None or not slots:
+            return 0
+        bs = self.block_size
+        tables = self.tables[slots]  # [B, W]
+        first = (self.lengths[slots] // bs)[:, None]  # [B, 1]
+        last = ((torch.tensor(ends).clamp(max=self.max_len) + bs - 1) // bs)[:, None]  # [B, 1] (exclusive)
+        index = torch.arange(tables.shape[1])[None, :]
+        in_range = (index >= first) & (index < last)  # [B, W] the blocks the rows write into
+        refs = torch.from_numpy(self.pool.refs)[tables.clamp(min=0)]  # [B, W]
+        return int((in_range & ((tables < 0) | (refs > 1))).sum())
 
     def reserve(self, slots: list[int], ends: list[int]) -> None:
         """Make positions [length, end) of each row writable: blocks allocated where the row has none, and a private
@@ -326,7 +340,7 @@ class KVCache:
             v = self.v[layer].new_zeros((num_blocks, *self.v[layer].shape[1:]))
             k[:old], v[:old] = self.k[layer], self.v[layer]
             self.k[layer], self.v[layer] = k, v
-        self.pool.refs += [0] * (num_blocks - old)
+        self.pool.refs = numpy.concatenate([self.pool.refs, numpy.zeros(num_blocks - old, dtype=self.pool.refs.dtype)])
         self.pool.empty.extend(range(old, num_blocks))
         self.pool.num_blocks = num_blocks
 

@@ -78,6 +78,8 @@ def test_blocks_follow_the_tokens_and_shared_blocks_are_copied_before_a_write():
         again = m(torch.tensor([[50, 51, 52]]), cache=fresh).logits
     assert torch.equal(own, again)
     assert cache.pool.used == 4 and cache.tables[1, :2].tolist() == blocks
+    for ends in ([12, 12], [16, 20], [9, 30]):  # the vectorized count agrees with the row-by-row one
+        assert cache.blocks_needed_many([0, 1], ends) == sum(map(cache.blocks_needed, [0, 1], ends))
     # row 1 rolls back into a shared block and writes there: it gets a private copy, row 0 is untouched
     cache.rollback(torch.tensor([1]), 6)
     before = [k[blocks[1]].clone() for k in cache.k]

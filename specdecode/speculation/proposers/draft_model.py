@@ -5,6 +5,7 @@ catches up on the tokens the target committed since its last step, then extends 
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import torch
@@ -131,12 +132,18 @@ class DraftModelProposer:
         """Prefill the draft's cache with every token but the pending one, as in the target's cache, after the
         beginning its slot still holds from the request that used it last (prefix caching); with a `window`, only
         the last `window` of them (the draft then sees a shorter context, at its own positions)."""
-        fresh = []
+        fresh, kept = [], {}
         paged = self.cache.paged
-        for i, seq in enumerate(seqs):
+        # how many of the rows begin with each first block (a row whose first block others share goes first)
+        later_heads = collections.Counter(tuple(seq.token_ids[:self.cache.block_size]) for seq in seqs
+                                          if len(seq.token_ids) > self.cache.block_size) if paged else {}
+        for seq in seqs:
             n = len(seq.token_ids) - 1
             if paged:  # (a paged row holds nothing between requests: its blocks went back to the pool)
                 self.cache.release(seq.slot)
+                head = tuple(seq.token_ids[:self.cache.block_size])
+                if head in later_heads:
+                    later_heads[head] -= 1
             if self.window is not None and n > self.window:
                 self._prefill([seq], [0], start=n - self.window)
                 self.windowed.add(seq.request_id)
@@ -145,14 +152,15 @@ class DraftModelProposer:
                 keep = self.cache.adopt(seq.slot, self.cache.match(seq.token_ids, n))
             else:
                 keep = min(common_prefix(self.held.pop(seq.slot, ()), seq.token_ids), n)
-            if not keep and paged and any(common_prefix(seq.token_ids, later.token_ids) >= self.cache.block_size
-                                          for later in seqs[i + 1:]):
+            if not keep and paged and later_heads.get(head, 0) > 0:
                 self._prefill([seq], [0])  # alone first: the later ones that begin as it does share its blocks
-            elif keep:  # rows that keep different prefixes run alone: padding them together could overrun the rows
-                self._prefill([seq], [keep])
+            elif keep:
+                kept.setdefault(keep, []).append(seq)
                 self.kept_tokens += keep
             else:
                 fresh.append(seq)
+        for keep, group in kept.items():  # rows that keep as much run together (padding past a row is never kept)
+            self._prefill(group, [keep] * len(group))
         if fresh:
             self._prefill(fresh, [0] * len(fresh))
 
