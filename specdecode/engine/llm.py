@@ -21,7 +21,7 @@ from specdecode.engine.sequence import RequestOutput, Sequence, SpecStats
 from specdecode.engine.step import StepRunner
 from specdecode.errors import ConfigError
 from specdecode.model.cache import BLOCK_SIZE, KV_DTYPES
-from specdecode.model.loading import resolve_device, resolve_quantization
+from specdecode.model.loading import read_config, resolve_device, resolve_quantization
 from specdecode.model.tokenizer import Tokenizer
 from specdecode.catalog.registry import default_speculative_config, model_name, resolve_model
 from specdecode.sampling import SamplingParams, choice_seed
@@ -88,6 +88,14 @@ class LLM:
         if block_size is not None and (not isinstance(block_size, int) or block_size < 1):
             raise ConfigError(f"block_size must be a positive integer or None, got {block_size!r}")
         block_size = block_size if tensor_parallel_size == 1 else None
+        if num_kv_blocks is not None:
+            if block_size is None or not isinstance(num_kv_blocks, int) or num_kv_blocks < 1:
+                raise ConfigError(f"num_kv_blocks must be a positive integer with a paged cache, got {num_kv_blocks!r}")
+            context = min(max_model_len or read_config(self.model_dir).max_position_embeddings,
+                          read_config(self.model_dir).max_position_embeddings)
+            if num_kv_blocks * block_size < context:
+                raise ConfigError(f"num_kv_blocks {num_kv_blocks} holds {num_kv_blocks * block_size} positions, fewer "
+                                  f"than one sequence of max_model_len {context}: raise it or lower max_model_len")
         if kv_cache_dtype != "auto" and kv_cache_dtype not in KV_DTYPES:
             raise ConfigError(f"kv_cache_dtype must be 'auto' or one of {', '.join(KV_DTYPES)}, got {kv_cache_dtype!r}")
         if kv_cache_dtype != "auto" and tensor_parallel_size > 1:
@@ -111,8 +119,6 @@ class LLM:
         if self.plan is not None and block_size is not None:
             self.runner.num_blocks = self.plan.num_blocks()
         if num_kv_blocks is not None:
-            if block_size is None or not isinstance(num_kv_blocks, int) or num_kv_blocks < 1:
-                raise ConfigError(f"num_kv_blocks must be a positive integer with a paged cache, got {num_kv_blocks!r}")
             self.runner.num_blocks = num_kv_blocks
         self.runner.chunked_prefill = bool(enable_chunked_prefill)
         controller = None

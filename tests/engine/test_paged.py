@@ -122,6 +122,8 @@ def test_a_16_bit_cache_keeps_speculation_exact_and_sharing_bitwise(tiny_models,
         assert_no_leak(llm)
     with pytest.raises(ConfigError, match="kv_cache_dtype must be"):
         engine(tiny_models, kv_cache_dtype="fp8")
+    with pytest.raises(ConfigError, match="fewer than one sequence of max_model_len 256"):
+        engine(tiny_models, max_model_len=256, num_kv_blocks=8)
 
 
 def test_random_scenarios_leave_no_block_behind(tiny_models):
