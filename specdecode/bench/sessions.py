@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import threading
 import time
@@ -24,6 +25,7 @@ from pathlib import Path
 import httpx
 
 from specdecode.bench.servers import start_server, stop_server
+from specdecode.hardware import cpu_flags, cpu_name
 
 WORDS = ("alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega value index buffer table record "
          "vector matrix token block cache layer query result parser stream window").split()
@@ -37,6 +39,14 @@ GAUGES = ("specdecode:num_requests_running", "specdecode:num_requests_waiting", 
           "specdecode:kv_cache_blocks_free")
 COUNTERS = ("specdecode:prefix_cache_queries_total", "specdecode:prefix_cache_hits_total",
             "specdecode:num_preemptions_total")
+
+
+def machine() -> str:
+    """The CPU the figures were measured on (model name, vector extensions, cores)."""
+    flags = cpu_flags()
+    vector = "AMX" if "amx_tile" in flags else "AVX-512 VNNI" if "avx512_vnni" in flags else \
+        "AVX2" if "avx2" in flags else "no AVX2"
+    return f"{cpu_name()} ({vector}), {os.cpu_count()} cores"
 
 
 def filler(tokenizer, tokens: int, seed: int) -> str:
@@ -138,7 +148,7 @@ def run(model: str, sessions: int, prompt_tokens: int, max_tokens: int, shared: 
     tokenizer = Tokenizer(model_dir, read_config(model_dir).eos_token_ids)
     base = ["--model", model, *extra]
     report: dict = {"model": model, "sessions": sessions, "prompt_tokens": prompt_tokens, "max_tokens": max_tokens,
-                    "server_args": extra}
+                    "server_args": extra, "cpu": machine()}
     distinct = [[{"role": "user", "content": filler(tokenizer, prompt_tokens, i) + "\n\n" + QUESTIONS[i % 16]}]
                 for i in range(sessions)]
     def two_turns(url: str) -> dict:
@@ -180,7 +190,7 @@ def run(model: str, sessions: int, prompt_tokens: int, max_tokens: int, shared: 
 
 def summary(report: dict) -> str:
     lines = [f"{report['model']}: {report['sessions']} concurrent sessions of ~{report['prompt_tokens']} prompt "
-             f"tokens, {report['max_tokens']} generated each"]
+             f"tokens, {report['max_tokens']} generated each; {report.get('cpu', 'CPU not recorded')}"]
     for layout in ("paged", "slots"):
         got = report[f"sessions_{layout}"]
         lines.append(f"  {layout:6s} peak running {got['peaks'].get('specdecode:num_requests_running', 0):.0f}, "

@@ -91,8 +91,8 @@ class LLM:
         if num_kv_blocks is not None:
             if block_size is None or not isinstance(num_kv_blocks, int) or num_kv_blocks < 1:
                 raise ConfigError(f"num_kv_blocks must be a positive integer with a paged cache, got {num_kv_blocks!r}")
-            context = min(max_model_len or read_config(self.model_dir).max_position_embeddings,
-                          read_config(self.model_dir).max_position_embeddings)
+            longest = read_config(self.model_dir).max_position_embeddings
+            context = min(max_model_len or longest, longest)
             if num_kv_blocks * block_size < context:
                 raise ConfigError(f"num_kv_blocks {num_kv_blocks} holds {num_kv_blocks * block_size} positions, fewer "
                                   f"than one sequence of max_model_len {context}: raise it or lower max_model_len")

@@ -132,15 +132,20 @@ class Scheduler:
             self._release(seq)
         return dropped
 
-    def _release(self, seq: Sequence, reusable: bool = True) -> None:
-        """A sequence leaves; what its cache row holds stays for a later prompt that begins the same way
-        (reusable False: after a failure, when it may be half written)."""
+    def _detach(self, seq: Sequence, reusable: bool = True) -> None:
+        """Take a sequence out of the running ones: the proposer's state and its cache row go back; what the row
+        holds stays for a later prompt that begins the same way (reusable False: after a failure, when it may be
+        half written)."""
         if seq in self.running:
             self.running.remove(seq)
         if seq in self.prefilling:
             self.prefilling.remove(seq)
         self.runner.release(seq)
         self.runner.free_row(seq, reusable)
+
+    def _release(self, seq: Sequence, reusable: bool = True) -> None:
+        """A sequence leaves for good (its counters join the totals)."""
+        self._detach(seq, reusable)
         if self.budget.controller is not None:
             self.budget.controller.forget(seq.request_id)
         self.totals.merge(seq.stats)
@@ -148,12 +153,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Take a running (or prefilling) sequence's row and blocks back; it rejoins first, recomputed from its
         tokens (the full blocks it leaves indexed are likely still there)."""
-        if seq in self.running:
-            self.running.remove(seq)
-        if seq in self.prefilling:
-            self.prefilling.remove(seq)
-        self.runner.release(seq)
-        self.runner.free_row(seq)
+        self._detach(seq)
         seq.prefilled = seq.reused = 0
         self.waiting.appendleft(seq)
         self.pool.stats.preemptions += 1

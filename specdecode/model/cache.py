@@ -160,6 +160,8 @@ class KVCache:
         if self.pool is None:
             return
         bs, chain = self.block_size, self.chains[slot]
+        if len(chain) >= len(tokens) // bs:  # nothing newly full (most steps: no read of the lengths tensor)
+            return
         full = min(int(self.lengths[slot]), len(tokens)) // bs
         for i in range(len(chain), full):
             parent = chain[-1] if chain else ROOT

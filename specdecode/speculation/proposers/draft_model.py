@@ -114,17 +114,25 @@ class DraftModelProposer:
         cache = self.cache
         if cache is None or not cache.paged:
             return 0
-        need = 0
+        bs, need, most = cache.block_size, 0, 0
+        rows = []  # (slot, end) of the joined rows, counted exactly only when the bound says the pool may be short
         for seq, budget in zip(seqs, budgets):
             if not budget:
                 continue
             fed = self.draft_len.get(seq.request_id)
             if fed is None:
                 held = len(seq.token_ids) if self.window is None else min(len(seq.token_ids), self.window + 1)
-                need += -(-(held + self.extra_positions) // cache.block_size)
+                need += -(-(held + self.extra_positions) // bs)
             else:
-                end = int(cache.lengths[seq.slot]) + len(seq.token_ids) - fed + self.extra_positions
-                need += cache.blocks_needed(seq.slot, end)
+                written = len(seq.token_ids) - fed + self.extra_positions  # its tail and drafted levels
+                most += written // bs + 2  # the blocks `written` positions can touch
+                rows.append((seq.slot, written))
+        if need + most <= cache.pool.available:
+            return 0
+        if rows:
+            slots = [slot for slot, _ in rows]
+            ends = (cache.lengths[slots] + torch.tensor([written for _, written in rows])).tolist()
+            need += cache.blocks_needed_many(slots, ends)
         return max(0, need - cache.pool.available)
 
     @torch.no_grad()
