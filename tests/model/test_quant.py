@@ -53,7 +53,7 @@ def test_matmul_equals_the_gguf_reference(fmt, simd):
         x = torch.randn(11, K)
         out = kernels().qmatmul(x, q, FORMATS[fmt], simd)
         assert out.dtype == torch.float32 and out.shape == (11, 37)
-        expected = kernel_rounded(x) @ reference.T
+        expected = kernel_rounded(x, values) @ reference.T
         # float32 sums of up to 1,536 products: the worst over 30 random inputs per format was 1.1e-5 of the
         # largest output; one wrong block moves it by ~1e-2
         torch.testing.assert_close(out.double(), expected, rtol=0, atol=3e-5 * expected.abs().max().item())
@@ -71,14 +71,31 @@ def test_quantize_decodes_as_meant(fmt):
                        gguf_reference(quantize(weight, fmt), fmt, 96))
 
 
+def vector_widths() -> list[int]:
+    """The vector widths this build's products can use (a 512-bit build also runs its 256-bit kernels)."""
+    return [512, 256] if kernels().vector_bits() == 512 else [kernels().vector_bits()]
+
+
+@pytest.fixture(params=[512, 256], ids=["512-bit", "256-bit"])
+def width(request):
+    """Runs a test with the products on vectors of each width this build has (the other is skipped)."""
+    if request.param not in vector_widths():
+        pytest.skip(f"this build has no {request.param}-bit products")
+    saved = kernels().vector_bits()
+    kernels().set_vector_bits(request.param)
+    yield request.param
+    kernels().set_vector_bits(saved)
+
+
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
-def test_a_rows_result_does_not_depend_on_the_other_rows(fmt):
+def test_a_rows_result_does_not_depend_on_the_other_rows(fmt, width):
     """Bitwise: row i of a product over M rows equals the product of row i alone, for every M from 1 to 40 (tiles
-    of 1 to 8 rows and every remainder), with one or two threads splitting the outputs, among rows of other sizes;
-    and it equals the scalar reference bit for bit (the float steps are the same fixed ones on every path)."""
+    of 1 to 16 rows and every remainder), with one or two threads splitting the outputs, among rows of other sizes;
+    and it equals the scalar reference bit for bit (the float steps are the same fixed ones on every path), with
+    vectors of every width the build has."""
     torch.manual_seed(1)
     K = 19 * 32 if BLOCKS[fmt][0] == 32 else 3 * 256  # (32-blocks: two whole groups of 8 blocks and a partial one)
-    q = weights(fmt, 301, K, seed=1)
+    q = weights(fmt, 301, K, seed=1)  # (301 rows: 18 whole groups of 16 and 13 rows of a last one)
     x = torch.randn(40, K)
     alone = torch.cat([kernels().qmatmul(x[i:i + 1], q, FORMATS[fmt], True) for i in range(40)])
     assert torch.equal(alone, kernels().qmatmul(x, q, FORMATS[fmt], False))
@@ -96,7 +113,7 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(fmt):
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
-def test_every_row_length(fmt):
+def test_every_row_length(fmt, width):
     """Rows of whole groups, a partial group, or both: the kernels equal the scalar reference bitwise."""
     values = BLOCKS[fmt][0]
     for blocks in ROW_LENGTHS[values]:
