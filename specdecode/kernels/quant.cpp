@@ -43,6 +43,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -362,15 +363,16 @@ torch::Tensor pack(const torch::Tensor& weight, int64_t format, int64_t in_featu
 namespace {
 
 // Activation rows rounded to int8 (see the top comment), in the one or two forms the products need:
-// per 32 (the 32-value formats): q [M, K], d and s = d * (the block's integer sum) [M, K / 32] float32, and the
-//   integer sum [M, K / 32] int32 (Q8_0 without VNNI);
-// per 256 (the K-quants): kq [M, K], kd [M, K / 256] float32, the integer sums of each 32 values kx32 [M, K / 32] and
-//   of each 16 kx16 [M, K / 16], int16.
+// per 32 (every format, by default): q [M, K], d and s = d * (the block's integer sum) [M, K / 32] float32, the same
+//   for the block's two halves s_lo, s_hi (Q6_K's scales are per 16), and the integer sum [M, K / 32] int32 (Q8_0
+//   without VNNI);
+// per 256 (the K-quants, where K_BLOCK says so): kq [M, K], kd [M, K / 256] float32, the integer sums of each 32
+//   values kx32 [M, K / 32] and of each 16 kx16 [M, K / 16], int16.
 struct Activations {
   int64_t rows = 0, inputs = 0;
-  torch::Tensor storage[8];  // owns what the pointers below point into
+  torch::Tensor storage[10];  // owns what the pointers below point into
   const int8_t* q = nullptr;
-  const float *d = nullptr, *s = nullptr;
+  const float *d = nullptr, *s = nullptr, *s_lo = nullptr, *s_hi = nullptr;
   const int32_t* sum = nullptr;
   const int8_t* kq = nullptr;
   const float* kd = nullptr;
@@ -417,16 +419,20 @@ Activations quantize_activations(const torch::Tensor& x, bool per_32, bool per_2
     a.storage[2] = torch::empty({M, nb});
     a.storage[3] = torch::empty({M, nb});
     a.storage[4] = torch::empty({M, nb}, torch::kInt32);
+    a.storage[8] = torch::empty({2, M, nb});
     int8_t* q = a.storage[1].data_ptr<int8_t>();
     float *d = a.storage[2].data_ptr<float>(), *s = a.storage[3].data_ptr<float>();
+    float *s_lo = a.storage[8].data_ptr<float>(), *s_hi = s_lo + M * nb;
     int32_t* sum = a.storage[4].data_ptr<int32_t>();
-    a.q = q, a.d = d, a.s = s, a.sum = sum;
+    a.q = q, a.d = d, a.s = s, a.s_lo = s_lo, a.s_hi = s_hi, a.sum = sum;
     at::parallel_for(0, M * nb, 256, [&](int64_t begin, int64_t end) {
       int32_t halves[2];
       for (int64_t i = begin; i < end; ++i) {
         d[i] = round_to_int8(src + i * QK, QK, q + i * QK, halves);
         sum[i] = halves[0] + halves[1];
         s[i] = d[i] * static_cast<float>(sum[i]);
+        s_lo[i] = d[i] * static_cast<float>(halves[0]);
+        s_hi[i] = d[i] * static_cast<float>(halves[1]);
       }
     });
   }
@@ -489,7 +495,7 @@ void group_scalar(const Packed& w, const uint8_t* group, const Activations& a, i
     for (int64_t p = 0; p < w.super_blocks; ++p) {
       const uint8_t* sb = group + p * s.bytes;
       const float d = half_to_float(load16(sb + s.d + 2 * r));
-      if (is_k(w.format)) {
+      if (is_k(w.format) && a.kq != nullptr) {
         const int8_t* x = a.kq + m * K + p * 256;
         const int16_t *x32 = a.kx32 + m * (K / QK) + p * 8, *x16 = a.kx16 + m * (K / 16) + p * 16;
         const float dx = a.kd[m * (K / 256) + p];
@@ -519,15 +525,37 @@ void group_scalar(const Packed& w, const uint8_t* group, const Activations& a, i
           acc = std::fma(static_cast<float>(T), d * dx, acc);
           acc = std::fma(static_cast<float>(U), -(dmin * dx), acc);
         }
-      } else {
-        const int8_t* x = a.q + m * K + p * QK;
-        const int64_t b = m * (K / QK) + p;
-        packed_codes(w.format, sb, 0, r, u);
-        int32_t sum = 0;
-        for (int e = 0; e < QK; ++e) sum += u[e] * x[e];
-        const float c = s.m >= 0 ? half_to_float(load16(sb + s.m + 2 * r)) : d * static_cast<float>(-OFFSET[w.format]);
-        acc = std::fma(static_cast<float>(sum), d * a.d[b], acc);
-        acc = std::fma(c, a.s[b], acc);
+      } else {  // activations per 32: a float step a 32-block (Q6_K: a 16-value half)
+        const int64_t per = s.values / QK;
+        for (int64_t j = 0; j < per; ++j) {
+          const int8_t* x = a.q + m * K + (p * per + j) * QK;
+          const int64_t b = m * (K / QK) + p * per + j;
+          packed_codes(w.format, sb, j, r, u);
+          if (w.format == Q6_K) {
+            int32_t lo = 0, hi = 0;
+            for (int e = 0; e < 16; ++e) lo += u[e] * x[e];
+            for (int e = 16; e < QK; ++e) hi += u[e] * x[e];
+            const float scale = d * static_cast<float>(static_cast<int8_t>(sb[s.sc + j * 2 * LANES + 2 * r]));
+            const float scale_hi = d * static_cast<float>(static_cast<int8_t>(sb[s.sc + j * 2 * LANES + 2 * r + 1]));
+            acc = std::fma(static_cast<float>(lo), scale * a.d[b], acc);
+            acc = std::fma(static_cast<float>(hi), scale_hi * a.d[b], acc);
+            acc = std::fma(scale * -32.f, a.s_lo[b], acc);
+            acc = std::fma(scale_hi * -32.f, a.s_hi[b], acc);
+            continue;
+          }
+          int32_t sum = 0;
+          for (int e = 0; e < QK; ++e) sum += u[e] * x[e];
+          float scale = d, c;
+          if (s.sc >= 0) {  // Q4_K, Q5_K
+            scale = d * static_cast<float>(sb[s.sc + j * LANES + r]);
+            c = -(half_to_float(load16(sb + s.m + 2 * r)) *
+                  static_cast<float>(sb[s.mn + (j / 2) * 2 * LANES + 2 * r + j % 2]));
+          } else {
+            c = s.m >= 0 ? half_to_float(load16(sb + s.m + 2 * r)) : d * static_cast<float>(-OFFSET[w.format]);
+          }
+          acc = std::fma(static_cast<float>(sum), scale * a.d[b], acc);
+          acc = std::fma(c, a.s[b], acc);
+        }
       }
     }
     out[r] = acc;
@@ -566,6 +594,8 @@ struct Y {
   template <int n> static I shl16(I a) { return n >= 0 ? _mm256_slli_epi16(a, n) : _mm256_srli_epi16(a, -n); }
   template <int n> static I shl32(I a) { return _mm256_slli_epi32(a, n); }
   template <int n> static I sar32(I a) { return _mm256_srai_epi32(a, n); }
+  template <int n> static I shr32(I a) { return _mm256_srli_epi32(a, n); }
+  static I lanes(int32_t v) { return _mm256_set1_epi32(v); }
   static I add(I a, I b) { return _mm256_add_epi32(a, b); }
   static I sub(I a, I b) { return _mm256_sub_epi32(a, b); }
   static I mul(I a, I b) { return _mm256_mullo_epi32(a, b); }
@@ -623,6 +653,8 @@ struct Z {
   template <int n> static I shl16(I a) { return n >= 0 ? _mm512_slli_epi16(a, n) : _mm512_srli_epi16(a, -n); }
   template <int n> static I shl32(I a) { return _mm512_slli_epi32(a, n); }
   template <int n> static I sar32(I a) { return _mm512_srai_epi32(a, n); }
+  template <int n> static I shr32(I a) { return _mm512_srli_epi32(a, n); }
+  static I lanes(int32_t v) { return _mm512_set1_epi32(v); }
   static I add(I a, I b) { return _mm512_add_epi32(a, b); }
   static I sub(I a, I b) { return _mm512_sub_epi32(a, b); }
   static I mul(I a, I b) { return _mm512_mullo_epi32(a, b); }
@@ -695,57 +727,94 @@ inline void unpack(const uint8_t* sb, int64_t j, int lane, typename V::I* v) {
   }
 }
 
-// A 32-value format: rows m0 .. m0 + R - 1 against lanes lane .. lane + V::W - 1 of one group: out[m * ldo + lane].
+// Activations rounded per 32 values, every format: rows m0 .. m0 + R - 1 against lanes lane .. lane + V::W - 1 of
+// one group: out[m * ldo + lane]. A float step per 32-block (Q6_K: per 16-value half): its integer sum times the
+// weights' scale times the activations', then the min (or offset) times the activations' sum.
 template <class V, int F, int R>
 void group_32(const Packed& w, const uint8_t* group, int lane, const Activations& a, int64_t m0, float* out,
               int64_t ldo) {
   using I = typename V::I;
   using FV = typename V::F;
   constexpr Super s = SUPER[F];
+  constexpr int64_t per = s.values / QK;
   const int64_t K = a.inputs, nb = K / QK;
   const int8_t* xq = a.q + m0 * K;
-  const float *xd = a.d + m0 * nb, *xs = a.s + m0 * nb;
-  FV acc[R];
-  for (int m = 0; m < R; ++m) acc[m] = V::zerof();
-  for (int64_t b = 0; b < w.super_blocks; ++b) {
-    const uint8_t* sb = group + b * s.bytes;
+  const float *xd = a.d + m0 * nb, *xs = a.s + m0 * nb, *x_lo = a.s_lo + m0 * nb, *x_hi = a.s_hi + m0 * nb;
+  alignas(64) float acc[R][V::W] = {};  // in memory past 8 rows: the registers hold the weights and the products
+  for (int64_t p = 0; p < w.super_blocks; ++p) {
+    const uint8_t* sb = group + p * s.bytes;
     for (int64_t line = 0; line < s.bytes; line += 64) V::prefetch(sb + PREFETCH_BYTES + line);
     const FV d = V::halves(sb + s.d + 2 * lane);
-    FV c;
-    if constexpr (s.m >= 0) c = V::halves(sb + s.m + 2 * lane);
-    else c = V::mulf(d, V::set(static_cast<float>(-OFFSET[F])));
-    I v[8];
-    unpack<V, F>(sb, 0, lane, v);
-#if !VNNI
-    if constexpr (F == Q8_0)  // without VNNI: the signed q (code - 128), multiplied as |q| times x with q's sign
-      for (int u = 0; u < 8; ++u) v[u] = V::xor_(v[u], V::bytes(static_cast<int8_t>(0x80)));
-#endif
-    UNROLL for (int m = 0; m < R; ++m) {
-      const int8_t* x = xq + m * K + b * QK;
-      I sum;
-#if !VNNI
-      if constexpr (F == Q8_0) {  // vpmaddubsw would saturate on codes up to 255: sum q * x, then add 128 * sum(x)
-        const __m256i ones = _mm256_set1_epi16(1);
-        __m256i even = V::zero(), odd = V::zero();
-        for (int u = 0; u < 8; ++u) {
-          const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(v[u]), _mm256_sign_epi8(V::bcast(x + 4 * u), v[u]));
-          if (u % 2) odd = _mm256_add_epi32(odd, _mm256_madd_epi16(pairs, ones));
-          else even = _mm256_add_epi32(even, _mm256_madd_epi16(pairs, ones));
-        }
-        sum = V::add(V::add(even, odd), _mm256_set1_epi32(128 * a.sum[(m0 + m) * nb + b]));
-      } else
-#endif
-      {  // two chains (one a row was 5-10% slower at 4-9 rows: the multiply-adds' latency)
-        I even = V::dot4(V::zero(), v[0], x), odd = V::dot4(V::zero(), v[1], x + 4);
-        even = V::dot4(V::dot4(V::dot4(even, v[2], x + 8), v[4], x + 16), v[6], x + 24);
-        odd = V::dot4(V::dot4(V::dot4(odd, v[3], x + 12), v[5], x + 20), v[7], x + 28);
-        sum = V::add(even, odd);
+    FV second = V::zerof();  // fp16 m (Q4_1, Q5_1) or dmin (Q4_K, Q5_K)
+    if constexpr (s.m >= 0) second = V::halves(sb + s.m + 2 * lane);
+    for (int64_t j = 0; j < per; ++j) {
+      const int64_t b = p * per + j;
+      FV scale, scale_hi = V::zerof(), c, c_hi = V::zerof();
+      if constexpr (F == Q6_K) {
+        const I pairs = V::i8_pairs(sb + s.sc + j * 2 * LANES + 2 * lane);  // (sc_lo, sc_hi) int16 in each lane
+        scale = V::mulf(d, V::cvt(V::template sar32<16>(V::template shl32<16>(pairs))));
+        scale_hi = V::mulf(d, V::cvt(V::template sar32<16>(pairs)));
+        c = V::mulf(scale, V::set(-32.f));
+        c_hi = V::mulf(scale_hi, V::set(-32.f));
+      } else if constexpr (s.sc >= 0) {
+        scale = V::mulf(d, V::cvt(V::u8_lanes(sb + s.sc + j * LANES + lane)));
+        const I mins = V::u8_pairs(sb + s.mn + (j / 2) * 2 * LANES + 2 * lane);  // (m_2k, m_2k+1) in each lane
+        c = V::mulf(second, V::cvt(j % 2 ? V::template shr32<16>(mins) : V::and_(mins, V::lanes(0xFFFF))));
+      } else {
+        scale = d;
+        if constexpr (s.m >= 0) c = second;
+        else c = V::mulf(scale, V::set(static_cast<float>(-OFFSET[F])));
       }
-      acc[m] = V::fmadd(V::cvt(sum), V::mulf(d, V::set(xd[m * nb + b])), acc[m]);
-      acc[m] = V::fmadd(c, V::set(xs[m * nb + b]), acc[m]);
+      I v[8];
+      unpack<V, F>(sb, j, lane, v);
+#if !VNNI
+      if constexpr (F == Q8_0)  // without VNNI: the signed q (code - 128), multiplied as |q| times x with q's sign
+        for (int u = 0; u < 8; ++u) v[u] = V::xor_(v[u], V::bytes(static_cast<int8_t>(0x80)));
+#endif
+      UNROLL for (int m = 0; m < R; ++m) {
+        const int8_t* x = xq + m * K + b * QK;
+        const FV dx = V::set(xd[m * nb + b]);
+        FV sum_m = V::loadf(acc[m]);
+        if constexpr (F == Q6_K) {
+          const I lo = V::dot4(V::dot4(V::dot4(V::dot4(V::zero(), v[0], x), v[1], x + 4), v[2], x + 8), v[3], x + 12);
+          const I hi = V::dot4(V::dot4(V::dot4(V::dot4(V::zero(), v[4], x + 16), v[5], x + 20), v[6], x + 24),
+                               v[7], x + 28);
+          sum_m = V::fmadd(V::cvt(lo), V::mulf(scale, dx), sum_m);
+          sum_m = V::fmadd(V::cvt(hi), V::mulf(scale_hi, dx), sum_m);
+          sum_m = V::fmadd(c, V::set(x_lo[m * nb + b]), sum_m);
+          V::store(acc[m], V::fmadd(c_hi, V::set(x_hi[m * nb + b]), sum_m));
+          continue;
+        }
+        I sum;
+#if !VNNI
+        if constexpr (F == Q8_0) {  // vpmaddubsw would saturate on codes up to 255: sum q * x, then add 128 * sum(x)
+          const __m256i ones = _mm256_set1_epi16(1);
+          __m256i even = V::zero(), odd = V::zero();
+          for (int u = 0; u < 8; ++u) {
+            const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(v[u]), _mm256_sign_epi8(V::bcast(x + 4 * u), v[u]));
+            if (u % 2) odd = _mm256_add_epi32(odd, _mm256_madd_epi16(pairs, ones));
+            else even = _mm256_add_epi32(even, _mm256_madd_epi16(pairs, ones));
+          }
+          sum = V::add(V::add(even, odd), _mm256_set1_epi32(128 * a.sum[(m0 + m) * nb + b]));
+        } else
+#endif
+        if constexpr (R >= 8) {  // one chain a row: R rows are enough chains in flight for the latency
+          sum = V::dot4(V::zero(), v[0], x);
+          for (int u = 1; u < 8; ++u) sum = V::dot4(sum, v[u], x + 4 * u);
+        } else {  // two chains (one a row was 5-10% slower at 4-9 rows: the multiply-adds' latency)
+          I even = V::dot4(V::zero(), v[0], x), odd = V::dot4(V::zero(), v[1], x + 4);
+          even = V::dot4(V::dot4(V::dot4(even, v[2], x + 8), v[4], x + 16), v[6], x + 24);
+          odd = V::dot4(V::dot4(V::dot4(odd, v[3], x + 12), v[5], x + 20), v[7], x + 28);
+          sum = V::add(even, odd);
+        }
+        sum_m = V::fmadd(V::cvt(sum), V::mulf(scale, dx), sum_m);
+        const FV block_sum = V::set(xs[m * nb + b]);
+        if constexpr (s.sc >= 0) V::store(acc[m], V::fnmadd(c, block_sum, sum_m));
+        else V::store(acc[m], V::fmadd(c, block_sum, sum_m));
+      }
     }
   }
-  for (int m = 0; m < R; ++m) V::store(out + m * ldo, acc[m]);
+  for (int m = 0; m < R; ++m) V::store(out + m * ldo, V::loadf(acc[m]));
 }
 
 // A K-quant (256-value super-blocks): rows m0 .. m0 + R - 1 against lanes lane .. lane + V::W - 1 of one group.
@@ -844,8 +913,10 @@ inline void tile_kernel(int64_t rows, const Packed& w, const uint8_t* group, int
                         int64_t m0, float* out, int64_t ldo) {
   if constexpr (R <= MAX) {
     if (rows != R) return tile_kernel<V, F, R + 1, MAX>(rows, w, group, lane, a, m0, out, ldo);
-    if constexpr (is_k(F)) group_256<V, F, R>(w, group, lane, a, m0, out, ldo);
-    else group_32<V, F, R>(w, group, lane, a, m0, out, ldo);
+    if constexpr (is_k(F)) {
+      if (a.kq != nullptr) return group_256<V, F, R>(w, group, lane, a, m0, out, ldo);
+    }
+    group_32<V, F, R>(w, group, lane, a, m0, out, ldo);
   } else {
     TORCH_CHECK(false, "row tile ", rows);
   }
@@ -855,7 +926,7 @@ inline void tile_kernel(int64_t rows, const Packed& w, const uint8_t* group, int
 template <class V, int F>
 void groups_simd(const Packed& w, int64_t g0, int64_t g1, const Activations& a, int64_t r0, int64_t r1, float* out,
                  int64_t ldo) {
-  // (the 32-value formats' tiles stop at 8 rows: their kernels hold a float accumulator a row)
+  // (the 32-value formats' tiles stop at 8 rows: the K-quants' longer rows are where wide passes spend their time)
   constexpr int TILE = is_k(F) ? V::TILE : (V::TILE < 8 ? V::TILE : 8);
   const int64_t M = r1 - r0, tiles = (M + TILE - 1) / TILE, tile = (M + tiles - 1) / tiles;
   const int64_t group_bytes = w.super_blocks * SUPER[F].bytes;
@@ -890,6 +961,12 @@ constexpr GroupsKernel KERNELS[NUM_FORMATS] = {groups_simd<V, Q8_0>, groups_simd
 bool wide_vectors = __builtin_cpu_is("intel");
 #endif
 #endif  // __AVX2__
+
+// The K-quants' activation blocks: 32 (a float scale per 32 values, a float step per 32-block: the default) or 256
+// (llama.cpp's Q8_K: a float step per super-block, the scales in integers). Measured on Qwen2.5-Coder-1.5B
+// (docs/bench/wide_pass_2026-12-05): 256 costs +1.2% perplexity against the float model (32: +0.02%), past the
+// 0.3% bar, for a pass over 5-16 tokens a few percent cheaper; set_k_activation_block chooses (for measurements).
+int64_t K_BLOCK = 32;
 
 // Activation rows [r0, r1) against groups [g0, g1) of one packed matrix, into columns of out (row stride ldo; out
 // points at the part's column 0).
@@ -935,7 +1012,7 @@ torch::Tensor qmatmul_parts(const torch::Tensor& x, const std::vector<torch::Ten
     info(formats[i]);
     parts.push_back(view_packed(packed[i], formats[i], K));
     N += parts.back().rows;
-    (is_k(formats[i]) ? per_256 : per_32) = true;
+    (is_k(formats[i]) && K_BLOCK == 256 ? per_256 : per_32) = true;
   }
   auto out = torch::empty({M, N}, torch::kFloat32);
   if (M == 0) return out;
@@ -1022,12 +1099,58 @@ int64_t vector_bits() {
 #endif
 }
 
+void set_k_activation_block(int64_t values) {
+  TORCH_CHECK(values == 32 || values == 256, "the K-quants' activation block is 32 or 256 values, got ", values);
+  K_BLOCK = values;
+}
+
+int64_t k_activation_block() { return K_BLOCK; }
+
 void set_vector_bits(int64_t bits) {
 #if defined(__AVX2__) && WIDE
   TORCH_CHECK(bits == 256 || bits == 512, "vector bits must be 256 or 512, got ", bits);
   wide_vectors = bits == 512;
 #else
   TORCH_CHECK(bits == vector_bits(), "this build has only ", vector_bits(), "-bit products");
+#endif
+}
+
+// The core's int8 multiply-add rate (MACs/s) with the instructions and vector width the products use: 12
+// independent chains of vpdpbusd (AVX2: vpmaddubsw + vpmaddwd + vpaddd) for about `seconds`, the best of 3 tries.
+// What a pass's multiply-adds are compared with (bench --speed: the share of the arithmetic limit).
+double int8_peak_macs(double seconds) {
+#if defined(__AVX2__)
+  auto run = [](auto tag, int64_t iterations) {
+    using V = decltype(tag);
+    using I = typename V::I;
+    I acc[12];
+    for (auto& a : acc) a = V::zero();
+    const I w = V::bytes(3);
+    const int8_t x[4] = {1, 2, 3, 4};
+    for (int64_t i = 0; i < iterations; ++i) {
+      UNROLL for (int k = 0; k < 12; ++k) acc[k] = V::dot4(acc[k], w, x);
+      for (auto& a : acc) asm volatile("" : "+v"(a));  // the chains stay in registers, every step happens
+    }
+    return 12.0 * iterations * 4 * V::W;  // MACs
+  };
+  double best = 0;
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    const int64_t iterations = 2000000;
+    const auto start = std::chrono::steady_clock::now();
+    double macs;
+#if WIDE
+    if (wide_vectors) macs = run(Z{}, iterations);
+    else
+#endif
+      macs = run(Y{}, iterations);
+    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    best = std::max(best, macs / elapsed);
+    if (elapsed * (attempt + 1) > seconds) break;
+  }
+  return best;
+#else
+  (void)seconds;
+  return 0.0;
 #endif
 }
 
@@ -1041,5 +1164,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_simd", &has_simd);
   m.def("instruction_set", &instruction_set);
   m.def("vector_bits", &vector_bits, "the vector width the products use: 512, 256, or 0 (scalar)");
+  m.def("int8_peak_macs", &int8_peak_macs, "the core's int8 multiply-adds a second, as the products issue them",
+        py::arg("seconds") = 0.1);
+  m.def("set_k_activation_block", &set_k_activation_block, "round K-quant activations per 32 or per 256 values");
+  m.def("k_activation_block", &k_activation_block);
   m.def("set_vector_bits", &set_vector_bits, "choose 512- or 256-bit products where both are built");
 }

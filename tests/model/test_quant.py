@@ -36,9 +36,17 @@ def weights(fmt: str, rows: int, in_features: int, seed: int) -> torch.Tensor:
     return torch.from_numpy(random_blocks(fmt, rows, in_features, np.random.default_rng(seed)))
 
 
+@pytest.fixture(params=[32, 256], ids=["act32", "act256"])
+def k_block(request):
+    """Runs a test with the K-quants' activations rounded per 32 values (the default) and per 256 (llama.cpp's Q8_K)."""
+    kernels().set_k_activation_block(request.param)
+    yield request.param
+    kernels().set_k_activation_block(32)
+
+
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 @pytest.mark.parametrize("simd", [True, False])
-def test_matmul_equals_the_gguf_reference(fmt, simd):
+def test_matmul_equals_the_gguf_reference(fmt, simd, k_block):
     """Every format, every row length tested: the product equals the int8-rounded activations times gguf's
     dequantised weights to float32 rounding (3e-5 of the largest output), and the lookup of rows equals
     gguf's dequantization bit for bit."""
@@ -53,7 +61,7 @@ def test_matmul_equals_the_gguf_reference(fmt, simd):
         x = torch.randn(11, K)
         out = kernels().qmatmul(x, q, FORMATS[fmt], simd)
         assert out.dtype == torch.float32 and out.shape == (11, 37)
-        expected = kernel_rounded(x, values) @ reference.T
+        expected = kernel_rounded(x, k_block if values == 256 else 32) @ reference.T
         # float32 sums of up to 1,536 products: the worst over 30 random inputs per format was 1.1e-5 of the
         # largest output; one wrong block moves it by ~1e-2
         torch.testing.assert_close(out.double(), expected, rtol=0, atol=3e-5 * expected.abs().max().item())
@@ -88,7 +96,7 @@ def width(request):
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
-def test_a_rows_result_does_not_depend_on_the_other_rows(fmt, width):
+def test_a_rows_result_does_not_depend_on_the_other_rows(fmt, width, k_block):
     """Bitwise: row i of a product over M rows equals the product of row i alone, for every M from 1 to 40 (tiles
     of 1 to 16 rows and every remainder), with one or two threads splitting the outputs, among rows of other sizes;
     and it equals the scalar reference bit for bit (the float steps are the same fixed ones on every path), with
@@ -113,7 +121,7 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(fmt, width):
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
-def test_every_row_length(fmt, width):
+def test_every_row_length(fmt, width, k_block):
     """Rows of whole groups, a partial group, or both: the kernels equal the scalar reference bitwise."""
     values = BLOCKS[fmt][0]
     for blocks in ROW_LENGTHS[values]:
