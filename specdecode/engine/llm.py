@@ -241,10 +241,10 @@ class LLM:
         """Yield the text of one prompt as it is generated; joined, it is `generate`'s text (with stop strings, text
         that could begin one is yielded once the next tokens show it does not)."""
         seq = self.make_sequence(prompt, params)
+        self.last_stats = seq.stats  # (counted as it runs: what a stream closed early had generated)
         for deltas in self._run([seq]):
             if deltas.get(seq.request_id):
                 yield deltas[seq.request_id]
-        self.last_stats = seq.stats
 
     def _run(self, seqs: list[Sequence]) -> Iterator[dict[str, str]]:
         """Continuous batching over a fixed list of sequences; yields {request_id: new text} per step."""
@@ -255,5 +255,8 @@ class LLM:
         scheduler = self.make_scheduler(slots)
         for seq in seqs:
             scheduler.add(seq)
-        while scheduler.has_work:
-            yield scheduler.step().deltas
+        try:
+            while scheduler.has_work:
+                yield scheduler.step().deltas
+        finally:  # a stream closed early (Ctrl-C in chat) gives its rows back for the next request
+            scheduler.abort_all()
