@@ -461,6 +461,13 @@ def fetch_all(files: list[tuple[NamedModel, Path]], quiet: bool = False) -> None
     try:
         for model, path in missing:
             _fetch_one(model, path, progress)
+    except KeyboardInterrupt:
+        progress.close()
+        kept = sum(model.has_part(path, i) for model, path in missing for i in range(model.parts))
+        parts = sum(model.parts for model, _ in missing)
+        print(f"\nspecdecode: download stopped; {kept} of {parts} parts kept in {cache_dir()}: the same command "
+              "fetches the rest", file=sys.stderr, flush=True)
+        raise
     finally:
         progress.close()
     if not quiet:
