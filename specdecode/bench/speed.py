@@ -260,11 +260,11 @@ def time_vs_llama_cpp(config: SpeedConfig, log=print) -> dict:
     rounds counts), greedy, EOS ignored; each prompt's ids checked against llama-tokenize's."""
     from specdecode.bench.categories import heldout_workloads
     from specdecode.bench.llama_cpp import LlamaCpp, PeerRun, compare
-    from specdecode.catalog.registry import cache_dir, default_speculative_config
+    from specdecode.catalog.registry import cache_dir
 
     peer = LlamaCpp(config.llama_cpp, threads=torch.get_num_threads())  # as many threads as ours
     gguf = Path(config.model)
-    spec_config = default_speculative_config(None) or {"method": "ngram", "adaptive": True}
+    spec_config = {"method": "ngram", "adaptive": True}  # prompt lookup, as llama-lookup drafts (any model's file)
     draft = spec_config.get("num_speculative_tokens", 8)  # ngram's default K: llama-lookup's draft limit alike
     log(f"vs llama.cpp: loading ours (default dtype and backend, plain and {spec_method(spec_config)})")
     ours = {"plain": build(config, "auto", "auto"),

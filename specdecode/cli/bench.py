@@ -10,6 +10,7 @@ from pathlib import Path
 
 from specdecode.cli.types import (MAX_NUM_SEQS, PORT, POSITIVE, SECONDS, SEED, SPECULATIVE_TOKENS, TEMPERATURE,
                                   THREADS, TOKENS, float_range, int_list, int_range)
+from specdecode.catalog.registry import SMALL_MODEL
 from specdecode.errors import CheckpointError, ConfigError
 
 
@@ -41,8 +42,8 @@ def register(sub) -> None:
                    help="a run of a few minutes: 1 prompt per category x 24 tokens at T=0, sweep at batch 1 and 8 with "
                         "K in {2,4}, 16 tokens, 1 repeat (explicit flags still win)")
     p.add_argument("--out", type=Path, default=Path("bench_results"), help="output folder (default bench_results)")
-    p.add_argument("--model", default=None,
-                   help="target: a model name, .gguf file or checkpoint directory (default: smollm2-135m-instruct)")
+    p.add_argument("--model", default=SMALL_MODEL,
+                   help=f"target: a model name, .gguf file or checkpoint directory (default: {SMALL_MODEL})")
     p.add_argument("--speculative-model", type=Path, default=None,
                    help="draft checkpoint of the draft_model method and of transformers' assisted generation "
                         "(default: the one shipped for a named model)")
@@ -200,7 +201,7 @@ def register_serve(sub) -> None:
     p.add_argument("--base-url", default=None, help="an OpenAI-compatible server (default: start our own)")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer token for --base-url")
     p.add_argument("--served-model", default=None, help="model name to send (default: the first of /v1/models)")
-    p.add_argument("--model", default=None, help="our servers' --model, and the tokenizer that sizes max_tokens "
+    p.add_argument("--model", default=SMALL_MODEL, help="our servers' --model, and the tokenizer that sizes max_tokens "
                                                  "(default smollm2-135m-instruct)")
     p.add_argument("--modes", default="off,fixed,adaptive", help="our servers: comma-separated off, fixed, adaptive")
     p.add_argument("--speculative-method", default="ngram", help="method of the fixed and adaptive servers")
@@ -238,7 +239,7 @@ def register_soak(sub) -> None:
     p.add_argument("--clients", type=POSITIVE, default=64, help="concurrent clients (default 64)")
     p.add_argument("--duration", type=SECONDS, default=600.0, help="seconds of load (default 600)")
     p.add_argument("--warmup", type=float_range(0.0), default=30.0, help="seconds before memory is measured")
-    p.add_argument("--model", default=None, help="default: smollm2-135m-instruct")
+    p.add_argument("--model", default=SMALL_MODEL, help=f"default: {SMALL_MODEL}")
     p.add_argument("--speculative-method", default=None, help="the server's --speculative-method")
     p.add_argument("--speculative-model", default=None, help="the server's --speculative-model")
     p.add_argument("--max-num-seqs", type=MAX_NUM_SEQS, default=32, help="the server's --max-num-seqs")
@@ -253,7 +254,7 @@ def register_fuzz(sub) -> None:
                                    "operation; checks no 5xx, OpenAI-format 4xx, schema-conformant answers, and that "
                                    "the server still answers afterwards.")
     p.add_argument("--url", default=None, help="fuzz this running server (default: start one)")
-    p.add_argument("--model", default=None, help="model of the server started here (default: SmolLM2)")
+    p.add_argument("--model", default=SMALL_MODEL, help="model of the server started here (default: SmolLM2)")
     p.add_argument("--speculative-model", default=None, help="draft of the server started here")
     p.add_argument("--port", type=PORT, default=None)
     p.add_argument("--max-model-len", type=int_range(2), default=96,
@@ -322,7 +323,7 @@ def register_sessions(sub) -> None:
                                    "system prompt of that length, with the default speculation and without: the "
                                    "prefix hit rate after the first request, and whether the answers agree. Writes "
                                    "sessions.json, sessions.txt and sessions.png to --out.")
-    p.add_argument("--model", default="smollm2-135m-instruct", help="the served model (default smollm2-135m-instruct)")
+    p.add_argument("--model", default=SMALL_MODEL, help=f"the served model (default {SMALL_MODEL})")
     p.add_argument("--sessions", type=int_range(1, 4096), default=24, help="concurrent sessions (default 24)")
     p.add_argument("--prompt-tokens", type=int_range(16), default=1000, help="prompt tokens a session (default 1000)")
     p.add_argument("--max-tokens", type=TOKENS, default=8, help="tokens generated a request (default 8)")

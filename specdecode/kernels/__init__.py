@@ -3,7 +3,7 @@
 `quant()` returns the compiled module of quant.cpp (matrix products with block-quantized weights) and layer.cpp
 (a whole decoder layer per call), or None where it cannot be built (no C++ compiler, no ninja, a failed build):
 callers then keep dequantized weights, which is correct and slower. The build lands in the cache
-(~/.cache/specdecode/kernels, or $SPECDECODE_KERNELS_DIR), keyed by the sources, the torch and Python versions and
+(~/.cache/specdecode/kernels, $SPECDECODE_CACHE/kernels, or $SPECDECODE_KERNELS_DIR), keyed by the sources, the torch and Python versions and
 this CPU's instruction sets, so it happens once per machine (60-80 s on a 2-core AMD EPYC) and later processes load
 it in milliseconds.
 """
@@ -27,9 +27,13 @@ _failure: str | None = None
 
 
 def cache_dir() -> Path:
+    """$SPECDECODE_KERNELS_DIR, else the kernels folder of specdecode's cache ($SPECDECODE_CACHE, as the models)."""
     root = os.environ.get("SPECDECODE_KERNELS_DIR")
     if root:
         return Path(root)
+    cache = os.environ.get("SPECDECODE_CACHE")
+    if cache:
+        return Path(cache) / "kernels"
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specdecode" / "kernels"
 
 
