@@ -23,14 +23,15 @@
 // them leave 32 values' exact row sums in one vector: no horizontal sums, a vector of outputs at the end. A weight
 // vector is unpacked once per tile and multiplied into every activation row of the tile (up to 16).
 //
-// Activations are rounded to int8 per row, as llama.cpp does (d = max|x| / 127, round to nearest even):
-// - for the K-quants per super-block of 256 (llama.cpp's Q8_K): one float scale per 256 values and the integer sums
-//   of each 32 (Q6_K: each 16). A super-block's float work is then one convert and one fused multiply-add per row
-//   (two with Q4_K/Q5_K's mins): the sub-blocks' 6-bit (Q6_K: 8-bit) scales multiply the exact integer sub-block
-//   sums in int32 (vpmulld after vpdpbusd; without VNNI vpmaddwd by the scale in place of vpmaddwd by 1, free), the
-//   mins (and Q6_K's offset of 32) enter through the activation sums by vpmaddwd. Sums stay below 2^31: Q6_K's
-//   worst is 16 x 16 x 63 x 127 x 128 < 2^28.
-// - for the 32-value formats per block of 32 (d and the block's sum), a convert and two multiply-adds a block.
+// Activations are rounded to int8 per row, as llama.cpp does (d = max|x| / 127, round to nearest even), per block
+// of 32 values (d and the block's sums): a convert and two multiply-adds per 32-block and row apply the weights'
+// and the activations' scales and the min (Q6_K: per 16-value half). The K-quants can instead take activations per
+// 256 (set_k_activation_block; llama.cpp's Q8_K): one float scale per super-block, the sub-blocks' 6-bit (Q6_K:
+// 8-bit) scales multiplying the exact integer sub-block sums in int32 (vpmulld after vpdpbusd; without VNNI
+// vpmaddwd by the scale in place of vpmaddwd by 1), the mins (and Q6_K's offset of 32) through the activation sums
+// (vpmaddwd), one convert and one fused multiply-add per super-block and row; sums stay below 2^31 (Q6_K's worst:
+// 16 x 16 x 63 x 127 x 128 < 2^28). It is not the default: on Qwen2.5-Coder-1.5B it costs +0.8% perplexity (a few
+// huge activation channels flatten the rest of their 256-block) for no measured speed on 512-bit vectors.
 // Measured (Intel Xeon VM, AVX-512 VNNI, one thread, the 1.5B's matrices): see docs/bench/wide_pass_2026-12-05.
 //
 // Batch invariance: the number for (row m, output n) is computed by the same sequence of operations whatever the
