@@ -255,3 +255,20 @@ def test_without_the_kernels_auto_falls_back_to_float_weights(tiny_gguf, monkeyp
     assert "could not be built (RuntimeError: Ninja is required" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="install a C\\+\\+ compiler .* or load the model without quantization"):
         load_model(path, dtype="float32", quantization="gguf")
+
+
+def test_q4_0_quantizer_writes_gguf_bytes():
+    """The kernels' Q4_0 quantizer (a draft's requantization at load) writes gguf's bytes exactly: random rows, a
+    zero block, a block whose largest magnitude is negative, ties between magnitudes, values at the rounding edges."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize as gguf_quantize
+
+    torch.manual_seed(0)
+    weight = torch.randn(37, 96) * torch.logspace(-3, 1, 37)[:, None]
+    weight[0, :32] = 0  # d = 0
+    weight[1, :32] = torch.linspace(-4, 3, 32)  # the largest magnitude is negative
+    weight[2, :32] = torch.tensor([1.0, -1.0] * 16)  # ties: the first one sets the sign
+    weight[3, :32] = torch.arange(32) / 31 * 8 - 8  # multiples of the step: x / d + 8.5 lands on .5 edges
+    expected = gguf_quantize(weight.numpy(), GGMLQuantizationType.Q4_0)
+    assert torch.equal(kernels().quantize_q4_0(weight), torch.from_numpy(np.ascontiguousarray(expected)))
+    assert torch.equal(quantize(weight, "q4_0"), kernels().quantize_q4_0(weight))
