@@ -224,7 +224,8 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
         if asked == 0:
             return Prepared(req, ids, None)
         params = native_params(req, len(ids), asked)
-        return Prepared(req, ids, fim_params(params, fim) if infill else params)
+        # Both routes stop at the FIM end tokens too, as llama.cpp's end-of-generation set holds them.
+        return Prepared(req, ids, fim_params(params, fim) if fim is not None else params)
 
     def native_params(req: LlamaCompletionRequest, prompt_len: int, asked: int | None) -> SamplingParams:
         room = llm.max_model_len - prompt_len

@@ -163,7 +163,7 @@ def _nullable(schema: dict) -> dict:
 
 
 def accepted_fields(model_name: str, vocab: int, context: int, limits: ServerLimits,
-                    tools: bool = False) -> tuple[dict, dict, dict, dict]:
+                    tools: bool = False, fim: bool = False) -> tuple[dict, dict, dict, dict]:
     """The values the server accepts, where the request models' types alone allow more (the routes check these
     after parsing): fields of both requests, of completions only, of chat only, of a chat message. With them the
     schema describes the bodies that are served, so that a fuzzer's valid requests reach the engine. tools: the
@@ -233,7 +233,8 @@ def install(app: FastAPI, accepted: tuple[dict, dict, dict, dict] | None = None)
                                (LlamaCompletionRequest, {}), (InfillRequest, {})):
                 body = model.model_json_schema(ref_template=REF)
                 components.update(body.pop("$defs", {}))
-                for name, narrowed in {**common, **own}.items():
+                narrowing = {**common, **own} if model in (CompletionRequest, ChatCompletionRequest) else own
+                for name, narrowed in narrowing.items():
                     body["properties"][name] = {**narrowed, "title": body["properties"][name].get("title", name)}
                 if model is CompletionRequest:  # echo with logprobs is refused
                     body["if"] = {"properties": {"echo": {"const": True}}, "required": ["echo"]}
