@@ -8,10 +8,12 @@ results), one edit each, the kind taken in turn, the span picked by a seeded rul
 - lines: two to four consecutive statements (3-8 lines) of a function removed;
 - rename: a parameter renamed in the signature, the body to be rewritten with the new name; the function as it was
   before the rename rides along as another file (as the recent chunks llama.vscode sends in input_extra).
-The prompt is llama.cpp's /infill layout of the file around the span (model/fim.py infill_ids): the repo header,
-any other file, then <|fim_prefix|>{the PREFIX_LINES lines before}<|fim_suffix|>{the SUFFIX_LINES lines after}
-<|fim_middle|>, as llama.vscode sends a window of lines around the cursor. llama.cpp gets that text with its
-special tokens, and `llama-tokenize` checks its ids are ours.
+The prompt is the model card's format of the file around the span, a window of lines as llama.vscode sends:
+<|fim_prefix|>{the PREFIX_LINES lines before}<|fim_suffix|>{the SUFFIX_LINES lines after}<|fim_middle|>; with another
+file, the repo-level format that llama.cpp's /infill writes (model/fim.py infill_ids), the module's own name as the
+current file's. (With the repo header and no other file, Qwen2.5-Coder-1.5B-Instruct does not end the middle: on
+`def fibonacci(n):` it writes the body, then the suffix again and prose, in llama.cpp as here; the one-file format
+ends it.) llama.cpp gets the prompt as text with its special tokens, and `llama-tokenize` checks its ids are ours.
 
 Exact match: the middle written equals the span removed (both stripped of surrounding whitespace). Decode tokens/s
 counts the tokens after the first over the seconds after the first token (llama_cpp.py's docstring).
@@ -163,6 +165,15 @@ def make_edits(count: int, tokenizer, max_middle_tokens: int, root: Path | None 
     return edits
 
 
+def fim_prompt(tokenizer, fim, edit: Edit) -> list[int]:
+    """The edit's prompt ids (module docstring)."""
+    from specdecode.model.fim import fim_ids, infill_ids
+
+    if edit.files:
+        return infill_ids(tokenizer, fim, edit.prefix, edit.suffix, files=edit.files, current_file=edit.file)
+    return fim_ids(tokenizer, fim, edit.prefix, edit.suffix)
+
+
 def same_middle(text: str, middle: str) -> bool:
     return text.strip() == middle.strip()
 
@@ -192,7 +203,7 @@ def run_fim(config: FimBenchConfig, log=print) -> dict:
     from specdecode.bench.measure import trace_generate
     from specdecode.engine.llm import LLM, fim_params
     from specdecode.hardware import cpu_name
-    from specdecode.model.fim import infill_ids, require_fim
+    from specdecode.model.fim import require_fim
     from specdecode.sampling import SamplingParams
 
     peer = target_gguf = None
@@ -211,7 +222,7 @@ def run_fim(config: FimBenchConfig, log=print) -> dict:
     rows: list[Row] = []
     prompts = []
     for n, edit in enumerate(edits):
-        ids = infill_ids(tokenizer, fim, edit.prefix, edit.suffix, files=edit.files)
+        ids = fim_prompt(tokenizer, fim, edit)
         text = tokenizer.decode(ids, skip_special_tokens=False)
         same_tokens = peer.tokenize(target_gguf, text) == ids if peer is not None else None
         prompts.append({"edit": edit.name, "prompt_tokens": len(ids), "same_tokens_in_llama_cpp": same_tokens,

@@ -77,12 +77,14 @@ def fim_ids(tokenizer, fim: FimTokens, prefix: str, suffix: str) -> list[int]:
 
 
 def infill_ids(tokenizer, fim: FimTokens, prefix: str, suffix: str, typed: str = "",
-               files: Sequence[tuple[str, str]] = (), max_tokens: int | None = None) -> list[int]:
+               files: Sequence[tuple[str, str]] = (), max_tokens: int | None = None,
+               current_file: str = CURRENT_FILE) -> list[int]:
     """llama.cpp's /infill prompt (its format_prompt_infill), token for token: the repo-level format with the other
     files (filename, text) before the edited one, then <|fim_prefix|>{prefix}{typed}<|fim_suffix|>{suffix}
     <|fim_middle|> (a BOS the tokenizer adds goes right before <|fim_prefix|>, as there). typed: the text typed so far on the cursor's line (the body's "prompt"). The prefix keeps its last
     PREFIX_TAKE tokens, the suffix its first SUFFIX_TAKE less what typed takes, the files the end of what they give
-    that fits in max_tokens (all of it when None)."""
+    that fits in max_tokens (all of it when None). current_file: the edited file's name (llama.cpp's placeholder by
+    default; a real name, as the model card writes it, helps an instruct model see code)."""
     head = _encode(tokenizer, prefix)[-PREFIX_TAKE:]
     typed_ids = _encode(tokenizer, typed)
     tail = _encode(tokenizer, suffix)[:max(0, SUFFIX_TAKE - 2 - len(typed_ids))]
@@ -96,7 +98,7 @@ def infill_ids(tokenizer, fim: FimTokens, prefix: str, suffix: str, typed: str =
             extra += _encode(tokenizer, "\n\n--- snippet ---\n\n")
         extra += _encode(tokenizer, text)
     if fim.file_sep is not None:
-        extra += [fim.file_sep, *_encode(tokenizer, CURRENT_FILE + "\n")]
+        extra += [fim.file_sep, *_encode(tokenizer, current_file + "\n")]
     body = [*_bos(tokenizer), fim.prefix, *head, *typed_ids, fim.suffix, *tail, fim.middle]
     if max_tokens is not None:
         extra = extra[len(extra) - min(len(extra), max(0, max_tokens - len(body))):]
