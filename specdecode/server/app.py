@@ -401,6 +401,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
                 return _sse_response(_one_event(body))
             return body
         stream = submit(prepared, f"cmpl-{uuid.uuid4().hex}")[0]
+        editor = llama_native.EditorLimits(req.n_indent or 0, req.t_max_predict_ms or 0)
 
         def finished(text: str, finish: str | None, probs: list | None) -> dict:
             seq, now = stream.seq, time.perf_counter()
@@ -415,23 +416,56 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
             return llama_native.select(req.response_fields, llama_native.final(
                 model_name, text, prompt_text, len(ids), seq.num_generated, stop_type, word, settings, timing, probs))
 
+        async def pieces() -> AsyncIterator[tuple[str, list, str | None]]:
+            """(text, logprobs, finish reason) of each delta, the text ending where an editor's limit (n_indent,
+            t_max_predict_ms) cuts it: then the request is aborted and its finish reason is "length" (llama.cpp's
+            "limit")."""
+            text = ""
+            async for delta in stream:
+                cut = editor.cut(text + delta.text, time.perf_counter() - (stream.first_token_time or 0), delta.text)
+                if cut is not None:
+                    stream.abort()
+                    yield (text + delta.text)[len(text):cut], delta.logprobs or [], "length"
+                    return
+                text += delta.text
+                yield delta.text, delta.logprobs or [], delta.finish_reason
+
+        def probabilities(logprobs: list) -> list | None:
+            return llama_native.probabilities(logprobs, llm.tokenizer) if logprobs else None
+
         if req.stream:
             async def events() -> AsyncIterator[str]:
                 try:
-                    async for delta in stream:
-                        if delta.text or delta.logprobs:
-                            probs = llama_native.probabilities(delta.logprobs, llm.tokenizer) if delta.logprobs else None
+                    async for text, logprobs, finish in pieces():
+                        if text or logprobs:
                             yield _sse(llama_native.select(req.response_fields, llama_native.partial(
-                                delta.text, delta.completion_tokens, len(ids), probs)))
-                        if delta.finish_reason is not None:
-                            yield _sse(finished("", delta.finish_reason, None))
+                                text, stream.seq.num_generated, len(ids), probabilities(logprobs))))
+                        if finish is not None:
+                            yield _sse(finished("", finish, None))
                 except (RequestFailed, EngineDead) as exc:
                     yield _sse(APIError(500, str(exc), type="server_error").body())
                 finally:
                     stream.abort()
             return _sse_response(events())
-        ((text, finish, _, logprobs),) = await _collect_all([stream], request)
-        return finished(text, finish, llama_native.probabilities(logprobs, llm.tokenizer) if logprobs else None)
+
+        async def collect() -> tuple[str, str | None, list]:
+            parts, all_logprobs, finish = [], [], None
+            async for text, logprobs, finish in pieces():
+                parts.append(text)
+                all_logprobs += logprobs
+            return "".join(parts), finish, all_logprobs
+
+        watcher = asyncio.create_task(_abort_on_disconnect(request, stream))
+        try:
+            text, finish, logprobs = await collect()
+        except RequestAborted:
+            raise APIError(499, "the client closed the request") from None
+        except (RequestFailed, EngineDead) as exc:
+            raise APIError(500, str(exc), type="server_error") from None
+        finally:
+            watcher.cancel()
+            stream.abort()
+        return finished(text, finish, probabilities(logprobs))
 
     def token_text(token: int) -> str:
         return llm.tokenizer.decode([token])
@@ -541,6 +575,12 @@ def _total_usage(results: list[tuple]) -> dict:
     """Usage of all choices: the prompt once, every choice's tokens."""
     usages = [usage for _, _, usage, _ in results]
     return _usage(usages[0]["prompt_tokens"], sum(u["completion_tokens"] for u in usages))
+
+
+async def _abort_on_disconnect(request: Request, stream: RequestStream) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    stream.abort()
 
 
 async def _collect(stream: RequestStream, request: Request) -> tuple[str, str | None, dict, list]:

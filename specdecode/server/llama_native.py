@@ -7,8 +7,35 @@ Streaming is server-sent events of partial answers ({"content", "stop": false, .
 """
 from __future__ import annotations
 
+import dataclasses
+
 STOP_TYPES = {"eos": "eos", "word": "word", "length": "limit"}
 """How the request ended -> llama.cpp's stop_type."""
+
+
+@dataclasses.dataclass
+class EditorLimits:
+    """llama.cpp's two stops for code completion (server-context.cpp), which llama.vscode sends: a middle of several
+    lines ends where a line is indented less than n_indent (kept up to that line's indentation), and once generating
+    has taken t_max_predict_ms, at the next piece that holds a newline. 0: off."""
+
+    n_indent: int = 0
+    t_max_predict_ms: int = 0
+
+    def cut(self, text: str, generating_s: float, piece: str) -> int | None:
+        """How much of text (the answer so far, piece its newest part) to keep when it must end now; None: go on."""
+        if self.n_indent > 0:
+            start = text.find("\n") + 1
+            while start > 0:  # each line that follows a newline, once something follows its indentation
+                end = start
+                while end < len(text) and text[end] in " \t":
+                    end += 1
+                if end < len(text) and end - start < self.n_indent:
+                    return end
+                start = text.find("\n", start) + 1
+        if self.t_max_predict_ms > 0 and "\n" in piece and generating_s * 1000 > self.t_max_predict_ms:
+            return len(text)
+        return None
 
 
 def timings(prompt_n: int, prompt_s: float, predicted_n: int, predicted_s: float, drafted: int = 0,

@@ -209,7 +209,7 @@ class ExtraFile(BaseModel):
 class LlamaCompletionRequest(BaseModel):
     """llama.cpp's server's own /completion body (what its clients send, Continue's llama.cpp provider among them):
     the fields specdecode honours, with llama.cpp's defaults. Its other sampler settings (samplers, mirostat,
-    dry_*, xtc_*, typical_p, ...), cache_prompt, n_indent, t_max_*_ms, id_slot and lora are accepted and ignored."""
+    dry_*, xtc_*, typical_p, ...), cache_prompt, t_max_prompt_ms, id_slot and lora are accepted and ignored."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
     prompt: str | list[Int] = ""
@@ -236,6 +236,10 @@ class LlamaCompletionRequest(BaseModel):
     """Only these fields of the answer ("timings/predicted_n" reaches into an object), as llama.cpp."""
     use_speculation: bool = True
     """specdecode extension: false decodes this request without speculation."""
+    n_indent: Int | None = Field(None, ge=-1)
+    """A line after the first indented less than this ends the answer (llama.cpp's; llama.vscode sends it)."""
+    t_max_predict_ms: Int | None = None
+    """After this many ms of generating, the next newline ends the answer (llama.cpp's; llama.vscode sends it)."""
 
     def tokens_asked(self) -> int | None:
         """n_predict (else max_tokens); None for "until the end" (-1 or absent)."""

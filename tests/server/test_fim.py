@@ -197,3 +197,30 @@ def test_qwen_coder_serves_fim_to_the_openai_client_and_llama_vscode(qwen_coder)
                                                    "temperature": 0}, timeout=600).json()
         assert body["prompt"].startswith("<|repo_name|>myproject\n<|file_sep|>filename\n<|fim_prefix|>def fib")
         assert "fibonacci(n - 1)" in body["content"].replace("n-1", "n - 1") and body["stop_type"] == "eos"
+
+
+def test_editor_limits_cut_as_llama_cpp():
+    from specdecode.server.llama_native import EditorLimits
+
+    indent = EditorLimits(n_indent=4)
+    assert indent.cut("x = 1", 0, "x = 1") is None  # the first line is not checked
+    assert indent.cut("x = 1\n    y = 2\n", 0, "") is None
+    assert indent.cut("x = 1\n    y = 2\n  ", 0, "  ") is None  # nothing after the indentation yet
+    assert indent.cut("x = 1\n    y = 2\n  z", 0, "z") == len("x = 1\n    y = 2\n  ")
+    assert indent.cut("x = 1\n\n", 0, "\n") == len("x = 1\n")  # an empty line ends it too, as there
+    timed = EditorLimits(t_max_predict_ms=100)
+    assert timed.cut("a\nb", 0.2, "b") is None and timed.cut("a\nb\n", 0.05, "\n") is None
+    assert timed.cut("a\nb\n", 0.2, "\n") == 4
+
+
+def test_infill_n_indent_ends_the_middle_where_llama_cpp_would(fim_server):
+    from specdecode.server.llama_native import EditorLimits
+
+    whole = httpx.post(fim_server.url + "/infill", json=vscode_body(temperature=0, n_predict=40, n_indent=0,
+                                                                     t_max_predict_ms=0), timeout=60).json()
+    cut = EditorLimits(n_indent=2).cut(whole["content"], 0, whole["content"])
+    limited = httpx.post(fim_server.url + "/infill", json=vscode_body(temperature=0, n_predict=40, n_indent=2,
+                                                                       t_max_predict_ms=0), timeout=60).json()
+    assert limited["content"] == whole["content"][:cut]
+    if cut is not None:
+        assert limited["stop_type"] == "limit"
