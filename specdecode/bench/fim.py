@@ -15,7 +15,9 @@ current file's. (With the repo header and no other file, Qwen2.5-Coder-1.5B-Inst
 `def fibonacci(n):` it writes the body, then the suffix again and prose, in llama.cpp as here; the one-file format
 ends it.) llama.cpp gets the prompt as text with its special tokens, and `llama-tokenize` checks its ids are ours.
 
-Exact match: the middle written equals the span removed (both stripped of surrounding whitespace). Decode tokens/s
+Exact match: the middle written equals the span removed (both stripped of surrounding whitespace). "Then more": the
+middle written starts with the span and goes on (what an editor that trims the answer, at the suffix or by
+llama.cpp's n_indent, would show right). Decode tokens/s
 counts the tokens after the first over the seconds after the first token (llama_cpp.py's docstring).
 """
 from __future__ import annotations
@@ -64,6 +66,8 @@ class Row:
     tokens: int
     decode_tokens_per_s: float
     exact: bool
+    starts: bool = False
+    """The output starts with the middle (exact, or the middle and then more)."""
     drafted: int = 0
     accepted: int = 0
     token_ids: list[int] | None = None
@@ -178,6 +182,10 @@ def same_middle(text: str, middle: str) -> bool:
     return text.strip() == middle.strip()
 
 
+def starts_with_middle(text: str, middle: str) -> bool:
+    return text.strip().startswith(middle.strip())
+
+
 @dataclasses.dataclass
 class FimBenchConfig:
     model: str
@@ -235,7 +243,8 @@ def run_fim(config: FimBenchConfig, log=print) -> dict:
             rate = (count - 1) / (trace.seconds - trace.ttft) if count > 1 else 0.0
             middle = tokenizer.decode(trace.token_ids)
             rows.append(Row(f"specdecode {name}", edit.name, edit.kind, count, rate, same_middle(middle, edit.middle),
-                            trace.stats.draft_tokens, trace.stats.accepted_tokens, list(trace.token_ids), middle))
+                            starts_with_middle(middle, edit.middle), trace.stats.draft_tokens,
+                            trace.stats.accepted_tokens, list(trace.token_ids), middle))
         if peer is not None:
             for mode, run in (("plain", lambda: peer.complete(target_gguf, text, config.max_tokens, len(ids),
                                                               ignore_eos=False)),
@@ -243,7 +252,8 @@ def run_fim(config: FimBenchConfig, log=print) -> dict:
                                                              config.num_speculative_tokens, ignore_eos=False))):
                 r = run()
                 rows.append(Row(f"llama.cpp {mode}", edit.name, edit.kind, r.tokens, r.decode_tokens_per_s,
-                                same_middle(r.text, edit.middle), r.drafted, r.accepted, None, r.text))
+                                same_middle(r.text, edit.middle), starts_with_middle(r.text, edit.middle), r.drafted,
+                                r.accepted, None, r.text))
         gc.collect()
     files = {name: hashlib.sha256((root / name).read_bytes()).hexdigest() for name in dict.fromkeys(
         e.file for e in edits)}
@@ -271,7 +281,7 @@ def summarize(rows: list[Row]) -> list[dict]:
                   if ref[r.edit].decode_tokens_per_s > 0]
         drafted = sum(r.drafted for r in mine)
         out.append({"engine": engine, "reference": reference, "edits": len(mine),
-                    "exact": sum(r.exact for r in mine),
+                    "exact": sum(r.exact for r in mine), "starts": sum(r.starts for r in mine),
                     "tokens_per_s": statistics.median(r.decode_tokens_per_s for r in mine),
                     "ratio": statistics.median(ratios) if ratios else None,
                     "acceptance": sum(r.accepted for r in mine) / drafted if drafted else None,
@@ -292,13 +302,14 @@ def render_markdown(result: dict) -> str:
              f"at most {result['max_tokens']} tokens, each engine stopping at its end tokens; ours draft up to "
              f"{result['num_speculative_tokens']} (adaptive), llama-lookup {result['num_speculative_tokens']}. "
              f"Ratio: median over edits of decode tokens/s to {rows[0]['reference']}'s on the same edit.", "",
-             "| engine | exact middle | decode tok/s (median) | ratio | acceptance | greedy = its plain | "
-             + " | ".join(f"{k}: exact, tok/s" for k in KINDS) + " |",
-             "|---|---:|---:|---:|---:|---:|" + "---:|" * len(KINDS)]
+             "| engine | exact middle | middle, then more | decode tok/s (median) | ratio | acceptance | "
+             "greedy = its plain | " + " | ".join(f"{k}: exact, tok/s" for k in KINDS) + " |",
+             "|---|---:|---:|---:|---:|---:|---:|" + "---:|" * len(KINDS)]
     for r in rows:
         kinds = " | ".join(f"{r['by_kind'][k]['exact']}/{r['by_kind'][k]['edits']}, "
                            f"{r['by_kind'][k]['tokens_per_s']:.1f}" for k in KINDS)
-        lines.append(f"| {r['engine']} | {r['exact']}/{r['edits']} | {r['tokens_per_s']:.1f} | "
+        lines.append(f"| {r['engine']} | {r['exact']}/{r['edits']} | {r['starts'] - r['exact']}/{r['edits']} | "
+                     f"{r['tokens_per_s']:.1f} | "
                      f"{'' if r['ratio'] is None else format(r['ratio'], '.2f') + 'x'} | "
                      f"{'' if r['acceptance'] is None else format(r['acceptance'], '.0%')} | "
                      f"{r['same_as_plain']}/{r['edits']} | {kinds} |")

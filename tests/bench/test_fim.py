@@ -53,9 +53,9 @@ def test_every_configuration_fills_the_middle_as_plain_decoding(fim_models, tmp_
 
 def test_summary_counts_exact_middles_and_identity_with_plain():
     rows = [Row("specdecode plain", "e1", "body", 10, 10.0, True, token_ids=[1, 2]),
-            Row("specdecode ngram", "e1", "body", 10, 20.0, True, 8, 6, token_ids=[1, 2]),
+            Row("specdecode ngram", "e1", "body", 10, 20.0, True, True, 8, 6, token_ids=[1, 2]),
             Row("specdecode plain", "e2", "lines", 10, 10.0, False, token_ids=[3]),
-            Row("specdecode ngram", "e2", "lines", 10, 15.0, False, 4, 0, token_ids=[4])]
+            Row("specdecode ngram", "e2", "lines", 10, 15.0, False, True, 4, 0, token_ids=[4])]
     summary = {r["engine"]: r for r in summarize(rows)}
     assert summary["specdecode ngram"]["same_as_plain"] == 1 and summary["specdecode ngram"]["exact"] == 1
     assert summary["specdecode ngram"]["ratio"] == pytest.approx(1.75) and summary["specdecode ngram"]["acceptance"] \
@@ -63,4 +63,4 @@ def test_summary_counts_exact_middles_and_identity_with_plain():
     table = render_markdown({"model": "m", "draft": "d", "cpu": "cpu", "threads": 1, "edits": [{"same_tokens_in_llama_cpp": True}] * 2,
                              "files_sha256": {"a": ""}, "stdlib": sys.prefix, "max_tokens": 8,
                              "num_speculative_tokens": 8, "summary": summarize(rows)})
-    assert "| specdecode ngram | 1/2 |" in table and "equal ours on 2/2 edits" in table
+    assert "| specdecode ngram | 1/2 | 1/2 |" in table and "equal ours on 2/2 edits" in table
