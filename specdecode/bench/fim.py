@@ -178,6 +178,16 @@ def fim_prompt(tokenizer, fim, edit: Edit) -> list[int]:
     return fim_ids(tokenizer, fim, edit.prefix, edit.suffix)
 
 
+END_PIECES = ("<|endoftext|>", "<|file_sep|>", "<|fim_pad|>", "<|repo_name|>", "<|im_end|>")
+
+
+def llama_cpp_text(text: str) -> str:
+    """llama.cpp's answer without the end token's piece that llama-lookup prints after it."""
+    for piece in END_PIECES:
+        text = text.removesuffix(piece)
+    return text
+
+
 def same_middle(text: str, middle: str) -> bool:
     return text.strip() == middle.strip()
 
@@ -251,9 +261,10 @@ def run_fim(config: FimBenchConfig, log=print) -> dict:
                               ("lookup", lambda: peer.lookup(target_gguf, text, config.max_tokens, len(ids),
                                                              config.num_speculative_tokens, ignore_eos=False))):
                 r = run()
+                text = llama_cpp_text(r.text)
                 rows.append(Row(f"llama.cpp {mode}", edit.name, edit.kind, r.tokens, r.decode_tokens_per_s,
-                                same_middle(r.text, edit.middle), starts_with_middle(r.text, edit.middle), r.drafted,
-                                r.accepted, None, r.text))
+                                same_middle(text, edit.middle), starts_with_middle(text, edit.middle), r.drafted,
+                                r.accepted, None, text))
         gc.collect()
     files = {name: hashlib.sha256((root / name).read_bytes()).hexdigest() for name in dict.fromkeys(
         e.file for e in edits)}
@@ -266,7 +277,8 @@ def run_fim(config: FimBenchConfig, log=print) -> dict:
 def summarize(rows: list[Row]) -> list[dict]:
     """Per engine: exact matches, median decode tokens/s and its median ratio to the reference (llama.cpp plain if
     it ran, else our plain) on the same edits, acceptance, and greedy outputs identical to the plain decoding of the
-    same engine (token ids for ours, text for llama.cpp's)."""
+    same engine: token ids for ours; for llama.cpp's, the text over the shorter of the two (llama-lookup may write up
+    to a draft past the token limit)."""
     engines = list(dict.fromkeys(r.engine for r in rows))
     reference = "llama.cpp plain" if "llama.cpp plain" in engines else "specdecode plain"
     ref = {r.edit: r for r in rows if r.engine == reference}
@@ -276,7 +288,7 @@ def summarize(rows: list[Row]) -> list[dict]:
         plain_name = "specdecode plain" if engine.startswith("specdecode") else "llama.cpp plain"
         plain = {r.edit: r for r in rows if r.engine == plain_name}
         same = sum((r.token_ids == plain[r.edit].token_ids) if r.token_ids is not None else
-                   (r.text == plain[r.edit].text) for r in mine)
+                   _same_text(r.text, plain[r.edit].text) for r in mine)
         ratios = [r.decode_tokens_per_s / ref[r.edit].decode_tokens_per_s for r in mine
                   if ref[r.edit].decode_tokens_per_s > 0]
         drafted = sum(r.drafted for r in mine)
@@ -292,6 +304,26 @@ def summarize(rows: list[Row]) -> list[dict]:
                                            [r.decode_tokens_per_s for r in mine if r.kind == kind] or [0.0])}
                                 for kind in KINDS}})
     return out
+
+
+def _same_text(a: str, b: str) -> bool:
+    n = min(len(a), len(b))
+    return a[:n] == b[:n]
+
+
+def rescore(result: dict) -> dict:
+    """The result with its llama.cpp texts cleaned (llama_cpp_text), every row scored again against its edit's middle
+    and the summary recomputed from those rows (the timings untouched)."""
+    middles = {e["edit"]: e["middle"] for e in result["edits"]}
+    rows = []
+    for raw in result["rows"]:
+        row = Row(**raw)
+        if row.token_ids is None:
+            row.text = llama_cpp_text(row.text)
+        middle = middles[row.edit]
+        row.exact, row.starts = same_middle(row.text, middle), starts_with_middle(row.text, middle)
+        rows.append(row)
+    return {**result, "rows": [dataclasses.asdict(r) for r in rows], "summary": summarize(rows)}
 
 
 def render_markdown(result: dict) -> str:

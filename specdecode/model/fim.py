@@ -81,10 +81,11 @@ def infill_ids(tokenizer, fim: FimTokens, prefix: str, suffix: str, typed: str =
                current_file: str = CURRENT_FILE) -> list[int]:
     """llama.cpp's /infill prompt (its format_prompt_infill), token for token: the repo-level format with the other
     files (filename, text) before the edited one, then <|fim_prefix|>{prefix}{typed}<|fim_suffix|>{suffix}
-    <|fim_middle|> (a BOS the tokenizer adds goes right before <|fim_prefix|>, as there). typed: the text typed so far on the cursor's line (the body's "prompt"). The prefix keeps its last
-    PREFIX_TAKE tokens, the suffix its first SUFFIX_TAKE less what typed takes, the files the end of what they give
-    that fits in max_tokens (all of it when None). current_file: the edited file's name (llama.cpp's placeholder by
-    default; a real name, as the model card writes it, helps an instruct model see code)."""
+    <|fim_middle|> (a BOS the tokenizer adds goes right before <|fim_prefix|>, as there). typed: the text typed so far
+    on the cursor's line (the body's "prompt"). The prefix keeps its last PREFIX_TAKE tokens, the suffix its first
+    SUFFIX_TAKE less what typed takes, the files the end of what they give that fits in max_tokens (all of it when
+    None). current_file: the edited file's name (llama.cpp's placeholder by default). Each piece is tokenized on its
+    own, as there (the typed text does not merge with the end of the prefix)."""
     head = _encode(tokenizer, prefix)[-PREFIX_TAKE:]
     typed_ids = _encode(tokenizer, typed)
     tail = _encode(tokenizer, suffix)[:max(0, SUFFIX_TAKE - 2 - len(typed_ids))]

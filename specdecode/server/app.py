@@ -211,7 +211,8 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
         limits.check_request(req, vocab)
         if infill:
             need_fim("/infill")
-            size = sum(len(t) for t in (req.input_prefix, req.input_suffix, req.prompt, *(f.text for f in req.input_extra)))
+            texts = (req.input_prefix, req.input_suffix, req.prompt, *(f.text for f in req.input_extra))
+            size = sum(map(len, texts))
             if size > MAX_PROMPT_CHARS_PER_TOKEN * max_prompt * 4:
                 raise bad_request(f"the infill body is far longer than the {max_prompt} tokens this server accepts",
                                   "input_extra")
@@ -388,15 +389,15 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
         prepared = await run_in_threadpool(prepare_native, await request.body(), infill)
         req, ids, params = prepared.req, prepared.ids, prepared.params
         prompt_text = llm.tokenizer.decode(ids, skip_special_tokens=False)
-        settings = {"n_predict": -1 if params is None and req.tokens_asked() is None else
-                    (0 if params is None else params.max_tokens),
+        settings = {"n_predict": 0 if params is None else params.max_tokens,
                     "temperature": req.temperature, "top_k": req.top_k, "top_p": req.top_p, "min_p": req.min_p,
                     "stop": [req.stop] if isinstance(req.stop, str) else (req.stop or []),
                     "seed": -1 if req.seed is None else req.seed, "n_probs": req.probs() or 0,
                     "speculative": llm.spec_config.method if llm.proposer is not None else None}
         if params is None:  # n_predict 0: nothing to generate (llama.vscode sends it to warm the cache)
+            timing = llama_native.timings(len(ids), 0, 0, 0)
             body = llama_native.select(req.response_fields, llama_native.final(
-                model_name, "", prompt_text, len(ids), 0, "limit", "", settings, llama_native.timings(len(ids), 0, 0, 0)))
+                model_name, "", prompt_text, len(ids), 0, "limit", "", settings, timing))
             if req.stream:
                 return _sse_response(_one_event(body))
             return body

@@ -60,7 +60,8 @@ def test_summary_counts_exact_middles_and_identity_with_plain():
     assert summary["specdecode ngram"]["same_as_plain"] == 1 and summary["specdecode ngram"]["exact"] == 1
     assert summary["specdecode ngram"]["ratio"] == pytest.approx(1.75) and summary["specdecode ngram"]["acceptance"] \
         == pytest.approx(0.5)
-    table = render_markdown({"model": "m", "draft": "d", "cpu": "cpu", "threads": 1, "edits": [{"same_tokens_in_llama_cpp": True}] * 2,
+    edits = [{"same_tokens_in_llama_cpp": True}] * 2
+    table = render_markdown({"model": "m", "draft": "d", "cpu": "cpu", "threads": 1, "edits": edits,
                              "files_sha256": {"a": ""}, "stdlib": sys.prefix, "max_tokens": 8,
                              "num_speculative_tokens": 8, "summary": summarize(rows)})
     assert "| specdecode ngram | 1/2 | 1/2 |" in table and "equal ours on 2/2 edits" in table

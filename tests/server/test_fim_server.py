@@ -181,8 +181,8 @@ def test_bad_infill_bodies_are_400s(fim_server, body, param):
 
 @pytest.mark.slow
 def test_qwen_coder_serves_fim_to_the_openai_client_and_llama_vscode(qwen_coder):
-    """The real format on the real model: the middle of a function, the same by suffix and by /infill's body with no
-    other files (both the model card's prompt once the repo header is set aside), with prompt lookup drafting."""
+    """The real format on the real model: the middle of a function by suffix (the model card's prompt), and by
+    /infill's body (llama.cpp's repo-level prompt), with prompt lookup drafting."""
     llm = LLM(qwen_coder, max_num_seqs=1, max_model_len=1024,
               speculative_config={"method": "ngram", "num_speculative_tokens": 4})
     prefix, suffix = "def fibonacci(n):\n    ", "\n\nprint(fibonacci(10))\n"
@@ -193,10 +193,15 @@ def test_qwen_coder_serves_fim_to_the_openai_client_and_llama_vscode(qwen_coder)
         assert answer.choices[0].finish_reason == "stop" and "fibonacci(n - 1)" in text.replace("n-1", "n - 1")
         assert answer.usage.prompt_tokens == len(llm.tokenizer.encode(
             f"<|fim_prefix|>{prefix}<|fim_suffix|>{suffix}<|fim_middle|>"))
-        body = httpx.post(s.url + "/infill", json={"input_prefix": prefix, "input_suffix": suffix, "n_predict": 48,
-                                                   "temperature": 0}, timeout=600).json()
+        infill = {"input_prefix": prefix, "input_suffix": suffix, "n_predict": 48, "temperature": 0}
+        body = httpx.post(s.url + "/infill", json=infill, timeout=600).json()
         assert body["prompt"].startswith("<|repo_name|>myproject\n<|file_sep|>filename\n<|fim_prefix|>def fib")
-        assert "fibonacci(n - 1)" in body["content"].replace("n-1", "n - 1") and body["stop_type"] == "eos"
+        # Under llama.cpp's repo header the instruct model writes the same body, then goes on (the suffix again,
+        # prose; llama.cpp's server writes the same), until n_predict...
+        assert body["content"].startswith(text.rstrip()) and body["stop_type"] == "limit"
+        # ... which llama.vscode's n_indent (the cursor line's indentation) cuts where the function ends.
+        cut = httpx.post(s.url + "/infill", json={**infill, "n_indent": 4}, timeout=600).json()
+        assert cut["content"].strip() == text.strip() and cut["stop_type"] == "limit"
 
 
 def test_editor_limits_cut_as_llama_cpp():
