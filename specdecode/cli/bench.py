@@ -96,13 +96,14 @@ def register(sub) -> None:
                    help="with --speed: wall (default) or cpu, the thread's CPU time (for a machine shared with "
                         "other jobs)")
     p.set_defaults(func=cmd_bench)
-    tools = p.add_subparsers(dest="bench_command", metavar="serve|soak|fuzz|code|perplexity|assistant")
+    tools = p.add_subparsers(dest="bench_command", metavar="serve|soak|fuzz|code|perplexity|assistant|fim")
     register_serve(tools)
     register_soak(tools)
     register_fuzz(tools)
     register_code(tools)
     register_perplexity(tools)
     register_assistant(tools)
+    register_fim(tools)
     register_sessions(tools)
 
 
@@ -311,6 +312,30 @@ def register_assistant(sub) -> None:
     p.add_argument("--out", type=Path, default=Path("bench_results/assistant"),
                    help="output folder (default bench_results/assistant)")
     p.set_defaults(func=_run("specdecode.bench.assistant", "cmd_bench_assistant"))
+
+
+def register_fim(sub) -> None:
+    p = sub.add_parser("fim", help="fill in the middle of standard-library files: ours (plain, lookup, auto) vs "
+                                   "llama.cpp (plain, llama-lookup) on the same prompt tokens",
+                       description="Edits in the middle of held-out standard-library modules (a function body "
+                                   "removed, a few lines removed, a parameter renamed), in llama.cpp's /infill "
+                                   "prompt, greedy, each engine stopping at its end tokens. Ours: plain, ngram and "
+                                   "auto with the draft (adaptive); with --llama-cpp also llama-completion and "
+                                   "llama-lookup on the same tokens. Writes results.json and report.md to --out "
+                                   "(exact-match rate of the middle, decode tokens/s, greedy identical to plain).")
+    p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct",
+                   help="the target, a model with FIM tokens (default qwen2.5-coder-1.5b-instruct)")
+    p.add_argument("--draft", default=None, help="auto's draft model (default: the target's catalog draft)")
+    p.add_argument("--llama-cpp", type=Path, default=None, metavar="BIN_DIR",
+                   help="also llama.cpp (a bin directory built by scripts/build_llama_cpp.sh) on the same file")
+    p.add_argument("--edits", type=int_range(1, 12), default=9, help="edits, one per module (default 9)")
+    p.add_argument("--max-tokens", type=TOKENS, default=128, help="most tokens of a middle (default 128)")
+    p.add_argument("--num-speculative-tokens", type=SPECULATIVE_TOKENS, default=8,
+                   help="ours and llama-lookup: most draft tokens a step (default 8)")
+    p.add_argument("--threads", type=THREADS, default=1, help="threads of every engine (default 1)")
+    p.add_argument("--out", type=Path, default=Path("bench_results/fim"), help="output folder (default "
+                                                                                "bench_results/fim)")
+    p.set_defaults(func=_run("specdecode.bench.fim", "cmd_bench_fim"))
 
 
 def register_sessions(sub) -> None:

@@ -22,6 +22,7 @@ from specdecode.engine.sequence import RequestOutput, Sequence, SpecStats
 from specdecode.engine.step import StepRunner
 from specdecode.errors import ConfigError
 from specdecode.model.cache import BLOCK_SIZE, KV_DTYPES
+from specdecode.model.fim import FimTokens, fim_ids, require_fim
 from specdecode.model.loading import read_config, resolve_device, resolve_quantization
 from specdecode.model.tokenizer import Tokenizer
 from specdecode.catalog.registry import default_speculative_config, model_name, prefetch, resolve_model
@@ -29,6 +30,11 @@ from specdecode.sampling import SamplingParams, choice_seed
 from specdecode.speculation.config import SpeculativeConfig, build_proposer, with_shipped_speculator
 from specdecode.speculation.control import SpecController
 from specdecode.speculation.grammar import Grammar
+
+
+def fim_params(params: SamplingParams, fim: FimTokens) -> SamplingParams:
+    """params that also stop where a middle ends (the format's end tokens; the EOS stops it anyway)."""
+    return dataclasses.replace(params, stop_token_ids=sorted({*(params.stop_token_ids or ()), *fim.stop_ids}))
 
 
 class LLM:
@@ -200,14 +206,20 @@ class LLM:
 
     def generate(self, prompts: str | list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """Generate for every prompt; sequences run as one batch (up to max_num_seqs at once)."""
+                 use_tqdm: bool = False, suffix: str | list[str] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt; sequences run as one batch (up to max_num_seqs at once).
+        suffix: fill in the middle: each prompt is the text before the cursor, its suffix (one for all, or one per
+        prompt) the text after it, and the output is what goes between (model/fim.py; the model's vocabulary must
+        have FIM tokens). Speculation drafts from the suffix as from the prompt."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ConfigError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        texts = None
+        if suffix is not None:
+            texts, prompts, params = prompts, *self._fill_in_the_middle(prompts, params, suffix)
         groups = [[self.make_sequence(p, dataclasses.replace(sp, n=1, seed=choice_seed(sp.seed, i)))
                    for i in range(sp.n)] for p, sp in zip(prompts, params)]  # a prompt's choices side by side
         seqs = [s for group in groups for s in group]
@@ -224,7 +236,22 @@ class LLM:
                 choice.index = i
                 out.outputs.append(choice)
             outputs.append(out)
+        for out, text in zip(outputs, texts or []):
+            out.prompt = text
         return outputs
+
+    def _fill_in_the_middle(self, prompts: list[str], params: list[SamplingParams], suffix: str | list[str]
+                            ) -> tuple[list[list[int]], list[SamplingParams]]:
+        """generate's prompts and suffixes as FIM prompt ids, and their params stopping where a middle ends."""
+        fim = require_fim(self.tokenizer)
+        suffixes = [suffix] * len(prompts) if isinstance(suffix, str) else list(suffix)
+        if len(suffixes) != len(prompts) or any(not isinstance(s, str) for s in suffixes):
+            raise ConfigError(f"suffix must be a string or one string per prompt; got {len(suffixes)} for "
+                              f"{len(prompts)} prompts")
+        if any(not isinstance(p, str) for p in prompts):
+            raise ConfigError("a prompt with a suffix must be text (the code before the cursor), not token ids")
+        return ([fim_ids(self.tokenizer, fim, p, s) for p, s in zip(prompts, suffixes)],
+                [fim_params(sp, fim) for sp in params])
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
