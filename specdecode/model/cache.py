@@ -294,7 +294,8 @@ class KVCache:
     def copy_slot(self, source: int, targets: list[int], length: int) -> None:
         """Give each target row the source row's first `length` positions and that committed length (the
         prompt's prefill shared by several requests, e.g. the choices of one request with n > 1): paged, its
-        full blocks shared and its last partial block copied."""
+        full blocks shared and its last partial block copied. Raises CacheFull (changing nothing) when the pool
+        cannot give every target that copy."""
         if self.pool is None:
             rows = torch.tensor(targets, device=self.k[0].device)
             for k, v in zip(self.k, self.v):
@@ -304,6 +305,12 @@ class KVCache:
             return
         full, partial = divmod(length, self.block_size)
         shared = self.tables[source, :full].tolist()
+        # the blocks only the targets name come back when they are released below
+        held = collections.Counter(b for t in targets for b in self.tables[t].tolist() if b >= 0)
+        freed = sum(1 for b, n in held.items() if self.pool.refs[b] == n)
+        if partial and len(targets) > self.pool.available + freed:
+            raise CacheFull(f"copying a prompt's last block into {len(targets)} rows needs {len(targets)} KV-cache "
+                            f"blocks; {self.pool.available} of {self.pool.num_blocks} are free")
         for target in targets:
             self.release(target)
             for i, block in enumerate(shared):
