@@ -149,3 +149,59 @@ def test_a_16_bit_cache_runs_the_fused_kernels_and_stays_batch_and_placement_inv
     with torch.inference_mode():
         logits = m(torch.tensor([prompts[2]]), cache=alone).logits
     assert torch.equal(logits, slots[0])
+
+
+def test_an_adopted_cached_block_is_never_evicted_while_referenced():
+    """A cached (unreferenced, indexed) block taken back by a prompt that begins the same way is referenced again:
+    a pool under pressure evicts other cached blocks and refuses before handing that one out."""
+    cache = KVCache(1, 3, 1, 32, 4, block_size=4, num_blocks=4)
+    cache.reserve([0], [12])
+    cache.lengths[0] = 12
+    cache.index(0, list(range(12)))
+    blocks = cache.tables[0, :3].tolist()
+    cache.release(0)
+    assert len(cache.pool.cached) == 3 and cache.pool.available == 4
+    assert cache.adopt(1, cache.match(list(range(12)) + [99], 12)) == 12  # all three back, referenced
+    assert cache.pool.available == 1 and not cache.pool.cached
+    with pytest.raises(CacheFull):
+        cache.reserve([2], [8])  # two blocks, one free: nothing adopted may be evicted for it
+    cache.reserve([2], [4])
+    assert cache.tables[2, 0] not in blocks and cache.tables[1, :3].tolist() == blocks
+    assert cache.leak() is None and cache.pool.evictions == 0
+    cache.release(2)
+    cache.rollback(torch.tensor([1]), 8)
+    cache.reserve([1], [12])  # row 1 rewrites its last block (indexed, no one else's): unindexed, written in place
+    assert cache.tables[1, 2] == blocks[2] and cache.match(list(range(12)), 12) == blocks[:2]
+    cache.reserve([0], [4])
+    assert cache.tables[0, 0] not in blocks and cache.leak() is None
+    cache.release(1)
+    cache.release(0)
+    assert cache.pool.used == 0 and cache.leak() is None
+
+
+def test_a_block_indexed_again_under_another_key_keeps_only_the_new_one():
+    cache = KVCache(1, 1, 1, 32, 4, block_size=4, num_blocks=2)
+    cache.reserve([0], [4])
+    block = int(cache.tables[0, 0])
+    first = cache.pool.index(block, 0, (1, 2, 3, 4))
+    second = cache.pool.index(block, 0, (5, 6, 7, 8))  # its content was rewritten
+    assert second != first and cache.pool.lookup(0, (1, 2, 3, 4)) is None
+    assert cache.pool.lookup(0, (5, 6, 7, 8)) == block and cache.pool.key_of[block] == (0, (5, 6, 7, 8))
+    assert cache.pool.index(block, 0, (5, 6, 7, 8)) == second  # the same key again: the same id
+    cache.release(0)
+    assert list(cache.pool.cached) == [block] and cache.leak() is None
+
+
+def test_a_fork_into_a_short_pool_refuses_before_changing_anything():
+    cache = KVCache(1, 3, 1, 32, 4, block_size=4, num_blocks=4)
+    cache.reserve([0], [10])  # two full blocks and a partial one
+    cache.lengths[0] = 10
+    cache.reserve([1], [4])  # the last free block, held by a target that is about to be given the fork
+    tables, refs = cache.tables.clone(), cache.pool.refs.copy()
+    with pytest.raises(CacheFull):
+        cache.copy_slot(0, [1, 2], 10)  # two partial copies, one block (row 1's own) to make them from
+    assert torch.equal(cache.tables, tables) and (cache.pool.refs == refs).all()
+    assert cache.lengths.tolist() == [10, 0, 0] and cache.leak() is None
+    cache.copy_slot(0, [1], 10)  # one copy: row 1's block comes back and is taken again
+    assert cache.tables[1, :2].tolist() == cache.tables[0, :2].tolist() and cache.lengths.tolist() == [10, 10, 0]
+    assert cache.pool.available == 0 and cache.leak() is None
