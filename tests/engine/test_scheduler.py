@@ -10,16 +10,12 @@ import pytest
 from specdecode.engine import scheduler as scheduler_module
 from specdecode.engine.llm import LLM
 from specdecode.model.blocks import CacheFull
-from specdecode.model.quant import kernels
 from specdecode.sampling import SamplingParams
 
 from tests.engine.test_paged import QUESTIONS, SPECS, SYSTEM, assert_no_leak, engine
 
 
-@pytest.fixture(autouse=True)
-def quantized_kernels():
-    if kernels() is None:
-        pytest.skip("the quantized kernels cannot be compiled here")
+pytestmark = pytest.mark.usefixtures("built_kernels")
 
 
 @dataclasses.dataclass

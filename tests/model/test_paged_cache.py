@@ -6,8 +6,9 @@ import torch
 
 from specdecode.model.blocks import CacheFull
 from specdecode.model.cache import KVCache
-from specdecode.model.quant import kernels, quantize_linears
+from specdecode.model.quant import quantize_linears
 
+from tests.compiled import kernels_or_skip
 from tests.model.test_linear import tiny_model
 
 
@@ -15,8 +16,7 @@ def model(quantized: bool):
     m = tiny_model(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2)
     if quantized:
-        if kernels() is None:
-            pytest.skip("the quantized kernels cannot be compiled here")
+        kernels_or_skip()
         quantize_linears(m, "q8_0")
         assert m.fused_layers(m.make_cache(1, 8)) is not None
     return m
