@@ -255,10 +255,11 @@ def offline_generator(llm):
 def cmd_soak(args) -> int:
     """`specdecode bench soak` (its flags: specdecode/cli/bench.py)."""
     config = SoakConfig(clients=args.clients, duration=args.duration, warmup=args.warmup, seed=args.seed)
-    server_args = ["--dtype", "float32", "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", "512"]
-    for flag in ("model", "speculative_method", "speculative_model"):
+    server_args = ["--dtype", "float32", "--max-num-seqs", str(args.max_num_seqs), "--max-model-len",
+                   str(args.max_model_len)]
+    for flag in ("model", "speculative_method", "speculative_model", "num_kv_blocks"):
         if getattr(args, flag):
-            server_args += ["--" + flag.replace("_", "-"), getattr(args, flag)]
+            server_args += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
     proc, url = start_server(server_args)
     try:
         report = run_soak(url, proc.pid, config)
@@ -267,7 +268,7 @@ def cmd_soak(args) -> int:
     # The offline reference is loaded after the server stopped, so that the two never compete for memory.
     from specdecode.engine.llm import LLM
 
-    check_greedy(report, offline_generator(LLM(args.model, dtype="float32", max_model_len=512)))
+    check_greedy(report, offline_generator(LLM(args.model, dtype="float32", max_model_len=args.max_model_len)))
     print(report.summary())
     for line in (report.mismatches + report.transport_errors)[:20]:
         print("  " + line)
