@@ -230,7 +230,7 @@ class Scheduler:
                 continue
             if len(active) == 1:
                 break
-            victim = max(active, key=self.running.index)
+            victim = next(s for s in reversed(self.running) if s in active)  # the most recently admitted
             self._preempt(victim)
             active = [s for s in active if s is not victim]
             budgets = self.budget.for_step(active)

@@ -82,7 +82,8 @@ class KVCache:
     # -- blocks -----------------------------------------------------------------------------------------------
 
     def _missing(self, slot: int, end: int) -> tuple[list[int], list[int]]:
-        """Block indices of the row that positions [length, end) need allocated: (absent, shared: copy on write)."""
+        """Columns of the row's block table that positions [length, end) need allocated: (absent, shared: copy on
+        write)."""
         bs, pool = self.block_size, self.pool
         first = int(self.lengths[slot]) // bs
         absent, shared = [], []
@@ -108,8 +109,8 @@ class KVCache:
         tables = self.tables[slots]  # [B, W]
         first = (self.lengths[slots] // bs)[:, None]  # [B, 1]
         last = ((torch.tensor(ends).clamp(max=self.max_len) + bs - 1) // bs)[:, None]  # [B, 1] (exclusive)
-        index = torch.arange(tables.shape[1])[None, :]
-        in_range = (index >= first) & (index < last)  # [B, W] the blocks the rows write into
+        column = torch.arange(tables.shape[1])[None, :]  # [1, W]
+        in_range = (column >= first) & (column < last)  # [B, W] the blocks the rows write into
         refs = torch.from_numpy(self.pool.refs)[tables.clamp(min=0)]  # [B, W]
         return int((in_range & ((tables < 0) | (refs > 1))).sum())
 

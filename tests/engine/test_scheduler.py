@@ -221,3 +221,51 @@ def test_a_next_turn_continues_an_answer_whose_last_block_ends_on_the_pending_to
     assert again.outputs[0].token_ids == fresh[0].outputs[0].token_ids
     assert again.outputs[0].logprobs == fresh[0].outputs[0].logprobs
     assert_no_leak(llm)
+
+
+def test_admission_waits_for_the_blocks_the_running_sequences_next_step_takes(tiny_models):
+    """A request whose blocks fit only if the running one's next step took none waits for it: admitting it would
+    only have the step preempt it again."""
+    llm = engine(tiny_models, None, max_num_seqs=2, max_model_len=128)
+    llm.runner.num_blocks = 8
+    llm.runner.ensure_capacity(2, 128, 0)
+    scheduler = llm.make_scheduler(2)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    first = llm.make_sequence([5] + [20 + j % 7 for j in range(30)], greedy, "first")  # 31 tokens
+    scheduler.add(first)
+    scheduler.step()  # its prefill: 2 blocks
+    scheduler.step()  # writes position 31, the last of its 2nd block; the next step writes 32: a 3rd block
+    pool = llm.runner.cache.pool
+    assert pool.used == 2 and llm.runner.step_headroom([first]) == 1
+    second = llm.make_sequence([6] + [40 + j % 5 for j in range(89)], greedy, "second")  # 90 tokens: 6 blocks
+    assert llm.runner.admission_blocks(second, [], 90) == pool.available == 6
+    scheduler.add(second)
+    out = scheduler.step()
+    assert not out.prefilled and out.stepped == [first] and second in scheduler.waiting
+    while scheduler.has_work:
+        scheduler.step()
+    assert llm.runner.slots.stats.preemptions == 0 and first.finished and second.finished
+    assert_no_leak(llm)
+
+
+def test_preemption_takes_the_most_recently_admitted_sequence_first(tiny_models):
+    """The step that runs short preempts the sequence admitted last (it has waited least and holds the fewest
+    generated tokens), not the one that has run longest."""
+    llm = engine(tiny_models, None, max_num_seqs=3, max_model_len=64)
+    llm.runner.num_blocks = 6
+    llm.runner.ensure_capacity(3, 64, 0)
+    scheduler = llm.make_scheduler(3)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    seqs = [llm.make_sequence([5 + i] + [20 + j % 7 for j in range(28)], greedy, str(i)) for i in range(3)]
+    for seq in seqs:  # 29 tokens each: 2 blocks, all 6 taken; at position 32 every row needs a 3rd
+        scheduler.add(seq)
+    preempted = []
+    while scheduler.has_work and not preempted:
+        running = list(scheduler.running)
+        if scheduler.step().preempted:
+            preempted = [s.request_id for s in running if s not in scheduler.running]
+    assert preempted == ["2"], preempted
+    while scheduler.has_work:
+        scheduler.step()
+    assert all(s.finished for s in seqs)
+    assert_no_leak(llm)
