@@ -82,6 +82,8 @@ def test_blocks_follow_the_tokens_and_shared_blocks_are_copied_before_a_write():
         assert cache.blocks_needed_many([0, 1], ends) == sum(map(cache.blocks_needed, [0, 1], ends))
     # row 1 rolls back into a shared block and writes there: it gets a private copy, row 0 is untouched
     cache.rollback(torch.tensor([1]), 6)
+    # the vectorized count sees the copy on write too (row 1's [6, 8) is in the block row 0 reads)
+    assert cache.blocks_needed_many([0, 1], [12, 8]) == cache.blocks_needed(0, 12) + cache.blocks_needed(1, 8) == 1
     before = [k[blocks[1]].clone() for k in cache.k]
     with torch.inference_mode():
         m(torch.tensor([[60, 61]]), cache=cache, slots=torch.tensor([1]))
@@ -205,3 +207,49 @@ def test_a_fork_into_a_short_pool_refuses_before_changing_anything():
     cache.copy_slot(0, [1], 10)  # one copy: row 1's block comes back and is taken again
     assert cache.tables[1, :2].tolist() == cache.tables[0, :2].tolist() and cache.lengths.tolist() == [10, 10, 0]
     assert cache.pool.available == 0 and cache.leak() is None
+
+
+@pytest.mark.parametrize("block_size", [4, None])
+def test_commit_moves_each_kept_position_to_its_place_in_keys_and_values(block_size):
+    """A tree's kept nodes (not a prefix of what was written) end at consecutive positions after the row's length,
+    keys and values alike, in either layout; the positions before are untouched."""
+    cache = KVCache(2, 2, 1, 16, 2, block_size=block_size, num_blocks=10)
+    with torch.inference_mode():
+        cache.reserve([0, 1], [9, 9])
+        cache.lengths[:] = torch.tensor([3, 2])
+        rows, positions = torch.tensor([0, 1]), torch.arange(9)[None].expand(2, 9)
+        blocks, offsets = cache.address(rows, positions)
+        for layer in range(2):  # position p of row r holds the number 100 r + p (+ 0.5 in values, + layer)
+            k = (100 * rows[:, None, None, None] + positions[:, None, :, None] + layer).float().expand(2, 1, 9, 2)
+            cache.write(layer, blocks, offsets, k, k + 0.5)
+        # row 0 keeps fresh offsets 0, 2, 3 (positions 3, 5, 6); row 1 keeps 0 and 4 (positions 2, 6)
+        cache.commit(rows, torch.tensor([[0, 2, 3], [0, 4, 0]]), torch.tensor([3, 2]))
+    assert cache.lengths.tolist() == [6, 4]
+    for layer in range(2):
+        for row, want in ((0, [0, 1, 2, 3, 5, 6]), (1, [0, 1, 2, 6])):
+            keys, values = cache.row(layer, row, len(want))  # [1, 2, n], [1, n, 2]
+            expected = torch.tensor(want, dtype=torch.float32) + 100 * row + layer
+            assert torch.equal(keys[0, 0], expected) and torch.equal(values[0, :, 0], expected + 0.5), (layer, row)
+    assert cache.leak() is None
+
+
+def test_rolling_back_into_an_indexed_block_drops_its_place_in_the_chain():
+    """A row cut back inside a block it had indexed, and written differently from there, indexes the new content
+    of that block and chains the next ones to it: no later prompt matches the old tokens through the new block."""
+    cache = KVCache(1, 2, 1, 32, 4, block_size=4, num_blocks=12)
+    old = list(range(1, 13))  # three full blocks
+    cache.reserve([0], [12])
+    cache.lengths[0] = 12
+    cache.index(0, old)
+    first_block = int(cache.tables[0, 0])
+    assert len(cache.chains[0]) == 3
+    cache.rollback(torch.tensor([0]), 6)  # into the second block
+    assert len(cache.chains[0]) == 1
+    cache.reserve([0], [12])  # the second block is indexed and no one else's: unindexed and written in place
+    new = old[:6] + [90, 91, 92, 93, 94, 95]
+    cache.lengths[0] = 12
+    cache.index(0, new)
+    assert len(cache.chains[0]) == 3
+    assert cache.match(new + [1], 12) == cache.tables[0, :3].tolist()
+    assert cache.match(old + [1], 12) == [first_block]  # the old second block's content is gone
+    assert cache.leak() is None
