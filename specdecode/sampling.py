@@ -108,6 +108,9 @@ class SamplingParams:
     position (0: only the token's own); None = none. Values are the target's raw distribution: log-softmax of its
     logits before temperature, min_p, top-k and top-p (vLLM's default, "raw_logprobs"), taken from the very target
     pass that produced the token, with or without speculation."""
+    stop_token_ids: list[int] | None = None
+    """Tokens that end the request as its EOS does, even with ignore_eos (vLLM's name); a fill-in-the-middle
+    request stops on its format's end tokens this way (model/fim.py)."""
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -152,6 +155,11 @@ class SamplingParams:
                               f"None, got {self.logprobs!r}")
         if self.sampler not in SAMPLERS:
             raise ConfigError(f"sampler must be one of {', '.join(SAMPLERS)}, got {self.sampler!r}")
+        if self.stop_token_ids is not None:
+            if not isinstance(self.stop_token_ids, (list, tuple)) or any(
+                    isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+                raise ConfigError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+            self.stop_token_ids = list(self.stop_token_ids)
 
     @property
     def greedy(self) -> bool:

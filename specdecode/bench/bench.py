@@ -30,7 +30,7 @@ from specdecode.engine.llm import LLM
 from specdecode.errors import ConfigError
 from specdecode.hardware import cpu_name
 from specdecode.model.loading import resolve_device
-from specdecode.catalog.registry import DEFAULT_MODEL, MODELS, resolve_model, shipped_speculator
+from specdecode.catalog.registry import MODELS, SMALL_MODEL, resolve_model, shipped_speculator
 from specdecode.sampling import SamplingParams
 from specdecode.speculation import methods
 
@@ -50,8 +50,8 @@ class BenchConfig:
     """What `specdecode bench` runs."""
 
     model: str | None = None
-    """Target: a model name, .gguf file or checkpoint directory (None: the default model, with its shipped
-    speculators)."""
+    """Target: a model name, .gguf file or checkpoint directory (None: SmolLM2-135M, whose speculators ship and
+    whose figures docs/benchmarks.md holds)."""
     speculators: dict[str, str] = dataclasses.field(default_factory=dict)
     """Method -> speculator directory (draft checkpoint, EAGLE/Medusa heads, REST datastore) overriding the shipped
     one; the draft_model entry is also transformers' assistant."""
@@ -106,6 +106,8 @@ class BenchConfig:
     """The command line that started the run, for the report."""
 
     def __post_init__(self):
+        if self.model is None:
+            self.model = SMALL_MODEL
         own = self.workload_file is not None or self.stdlib_workloads
         unknown = [] if own else sorted(set(self.categories) - set(CATEGORIES))
         if unknown:
@@ -129,9 +131,8 @@ class BenchConfig:
 
     @property
     def named(self) -> bool:
-        """Whether the target is a registry name (None = the default), which brings its shipped speculators."""
-        name = DEFAULT_MODEL if self.model is None else str(self.model)
-        return name in MODELS and not Path(name).exists()
+        """Whether the target is a registry name, which brings its shipped speculators."""
+        return str(self.model) in MODELS and not Path(self.model).exists()
 
     def has_speculator(self, method: str) -> bool:
         kind = methods.get(method).model
@@ -204,7 +205,7 @@ def build_engines(config: BenchConfig, log: Callable[[str], None]) -> tuple[dict
     method's speculative_config as the engine resolved it, and the live per-source counts (source -> [proposed,
     accepted]) of the engines whose proposer combines sources (auto)."""
     sizes = {"max_num_seqs": 1, "max_model_len": config.max_prompt_tokens + config.max_tokens + 96}
-    llms = {"plain": LLM(config.model, dtype=config.dtype, device=config.device, **sizes)}
+    llms = {"plain": LLM(config.model, dtype=config.dtype, device=config.device, speculative_config=None, **sizes)}
     for method in config.methods:
         log(f"loading {method}")
         llms[method] = LLM(config.model, dtype=config.dtype, device=config.device,

@@ -73,3 +73,14 @@ def roofline(model: LlamaForCausalLM, bandwidth: float, context_len: float, toke
     return {"bandwidth_gb_s": bandwidth / 1e9, "weight_bytes": weights, "kv_bytes": kv,
             "mean_context_len": context_len, "ceiling_tokens_per_s": ceiling, "plain_tokens_per_s": tokens_per_s,
             "share": tokens_per_s / ceiling}
+
+
+def macs_per_token(model: LlamaForCausalLM) -> int:
+    """Multiply-adds of the matrix products one token costs (every linear layer, the output head included;
+    attention over the cache is left out: it is small beside them at the contexts measured)."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, nn.Linear | PackedLinear | QuantLinear):
+            total += module.in_features * module.out_features
+    return total
+

@@ -24,8 +24,8 @@ class ServerSpec:
 
     mode: str
     """off (plain decoding), fixed (always K draft tokens) or adaptive (K per step, the default)."""
-    model: str | None = None
-    """--model (None: the default model)."""
+    model: str | None = "smollm2-135m-instruct"
+    """--model (None: serve's default model)."""
     method: str = "ngram"
     """--speculative-method of the fixed and adaptive modes."""
     k: int = 5

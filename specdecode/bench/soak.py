@@ -279,7 +279,8 @@ def cmd_soak(args) -> int:
     # The offline reference is loaded after the server stopped, so that the two never compete for memory.
     from specdecode.engine.llm import LLM
 
-    check_greedy(report, offline_generator(LLM(args.model, dtype="float32", max_model_len=args.max_model_len)))
+    check_greedy(report, offline_generator(LLM(args.model, dtype="float32", max_model_len=args.max_model_len,
+                                               speculative_config=None)))
     print(report.summary())
     for line in (report.mismatches + report.transport_errors)[:20]:
         print("  " + line)

@@ -12,7 +12,10 @@ import matplotlib.pyplot as plt  # noqa: E402
 GOAL_NAMES = {"plain_fp32_vs_hf_fp32": "plain float32 / transformers float32 (tokens/s)",
               "plain_bf16_vs_hf_fp32": "plain bfloat16 / transformers float32 (tokens/s)",
               "roofline_share": "plain decode share of the memory roofline",
+              "verify_5": "pass over 5 tokens / pass over 1 (upper bound)",
               "verify_8": "pass over 8 tokens / pass over 1 (upper bound)",
+              "verify_9": "pass over 9 tokens / pass over 1 (upper bound)",
+              "verify_16": "pass over 16 tokens / pass over 1 (upper bound)",
               "batch_8": "batch-8 plain throughput / batch 1",
               "plain_vs_llama_cpp_q8_0": "plain / llama.cpp plain Q8_0 (median decode tokens/s)",
               "plain_vs_llama_cpp_q4_1": "plain / llama.cpp plain Q4_1 (median decode tokens/s)",
@@ -57,11 +60,19 @@ def verify_table(results: dict) -> str:
     names = list(results["verify"])
     ks = sorted(int(k) for k in next(iter(results["verify"].values()))["relative"])
     theirs = (results.get("vs_llama_cpp") or {}).get("pass_costs") or {}
-    head = [f"{n} (ms, x one)" for n in names] + (["llama.cpp llama-bench -p K (ms, x one)"] if theirs else [])
+    head = [f"{n} (ms, x one; memory, int8 limits)" for n in names] + (
+        ["llama.cpp llama-bench -p K (ms, x one)"] if theirs else [])
     lines = ["| K | " + " | ".join(head) + " |", "|---:|" + "---:|" * len(head)]
+
+    def limits(v: dict, k: int) -> str:  # the shares of the memory and arithmetic limits the pass reaches
+        memory, arithmetic = v.get("memory_share"), v.get("arithmetic_share")
+        if memory is None:
+            return ""
+        return f"; {100 * _get(memory, k):.0f}%, " + (f"{100 * _get(arithmetic, k):.0f}%" if arithmetic else "-")
+
     for k in ks:
         cells = [f"{1000 * _get(results['verify'][n]['seconds'], k):.2f} ms, "
-                 f"{_get(results['verify'][n]['relative'], k):.2f}x" for n in names]
+                 f"{_get(results['verify'][n]['relative'], k):.2f}x" + limits(results["verify"][n], k) for n in names]
         if theirs:
             cells.append(f"{1000 * _get(theirs, k):.2f} ms, {_get(theirs, k) / _get(theirs, 1):.2f}x"
                          if k in theirs or str(k) in theirs else "-")
@@ -78,7 +89,7 @@ def goals_table(results: dict) -> str:
     for g in results["goals"]:
         share = g["goal"] == "roofline_share"
         value = f"{100 * g['value']:.0f}%" if share else f"{g['value']:.2f}x"
-        target = f"{'>=' if g['goal'] != 'verify_8' else '<='} " + (f"{100 * g['target']:.0f}%" if share
+        target = f"{'<=' if g['goal'].startswith('verify_') else '>='} " + (f"{100 * g['target']:.0f}%" if share
                                                                      else f"{g['target']}x")
         lines.append(f"| {GOAL_NAMES.get(g['goal'], g['goal'])} | {g['config']} | {value} | {target} | "
                      f"{'yes' if g['met'] else '**no**'} |")
@@ -158,7 +169,11 @@ def markdown(results: dict) -> str:
         decode_table(results),
         "## Cost of a pass over K new tokens",
         "One cached forward over K new tokens (a chain: causal among them, logits for all K; what verifying K-1 "
-        "drafted tokens plus the pending one costs) at the mean context, relative to K = 1.",
+        "drafted tokens plus the pending one costs) at the mean context, relative to K = 1. The two limits: the "
+        "share of the memory bound the pass reaches (bytes read per step / the measured bandwidth, over its time) "
+        "and, with quantized kernels, of the arithmetic bound (its K tokens' multiply-adds / the core's int8 "
+        f"multiply-add rate, {results['machine'].get('int8_peak_gmac_s', 0):.0f} GMAC/s measured in the run, over "
+        "its time).",
         verify_table(results),
     ]
     if results["batch"]:

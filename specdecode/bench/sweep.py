@@ -64,7 +64,7 @@ def adaptive_sweep(target: str | Path | None, draft: str | Path | None = None, b
     max_batch = max(batch_sizes)
     longest = max(len(p) if isinstance(p, list) else len(p.encode()) + 1 for p in prompts)  # a token has >= 1 byte
     sizes = {"max_num_seqs": max_batch, "max_model_len": longest + max_tokens + 2 * max(ks) + 64}
-    plain = LLM(target, dtype=dtype, device=device, **sizes)
+    plain = LLM(target, dtype=dtype, device=device, speculative_config=None, **sizes)
     config = dict(speculative_config or {"method": "draft_model", "model": str(draft)})
     config.update(num_speculative_tokens=max(ks), adaptive=True)
     spec = LLM(target, dtype=dtype, device=device, speculative_config=config, **sizes)

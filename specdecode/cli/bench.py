@@ -10,6 +10,7 @@ from pathlib import Path
 
 from specdecode.cli.types import (MAX_NUM_SEQS, PORT, POSITIVE, SECONDS, SEED, SPECULATIVE_TOKENS, TEMPERATURE,
                                   THREADS, TOKENS, float_range, int_list, int_range)
+from specdecode.catalog.registry import SMALL_MODEL
 from specdecode.errors import CheckpointError, ConfigError
 
 
@@ -41,8 +42,8 @@ def register(sub) -> None:
                    help="a run of a few minutes: 1 prompt per category x 24 tokens at T=0, sweep at batch 1 and 8 with "
                         "K in {2,4}, 16 tokens, 1 repeat (explicit flags still win)")
     p.add_argument("--out", type=Path, default=Path("bench_results"), help="output folder (default bench_results)")
-    p.add_argument("--model", default=None,
-                   help="target: a model name, .gguf file or checkpoint directory (default: smollm2-135m-instruct)")
+    p.add_argument("--model", default=SMALL_MODEL,
+                   help=f"target: a model name, .gguf file or checkpoint directory (default: {SMALL_MODEL})")
     p.add_argument("--speculative-model", type=Path, default=None,
                    help="draft checkpoint of the draft_model method and of transformers' assisted generation "
                         "(default: the one shipped for a named model)")
@@ -95,13 +96,14 @@ def register(sub) -> None:
                    help="with --speed: wall (default) or cpu, the thread's CPU time (for a machine shared with "
                         "other jobs)")
     p.set_defaults(func=cmd_bench)
-    tools = p.add_subparsers(dest="bench_command", metavar="serve|soak|fuzz|code|perplexity|assistant")
+    tools = p.add_subparsers(dest="bench_command", metavar="serve|soak|fuzz|code|perplexity|assistant|fim")
     register_serve(tools)
     register_soak(tools)
     register_fuzz(tools)
     register_code(tools)
     register_perplexity(tools)
     register_assistant(tools)
+    register_fim(tools)
     register_sessions(tools)
 
 
@@ -200,7 +202,7 @@ def register_serve(sub) -> None:
     p.add_argument("--base-url", default=None, help="an OpenAI-compatible server (default: start our own)")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer token for --base-url")
     p.add_argument("--served-model", default=None, help="model name to send (default: the first of /v1/models)")
-    p.add_argument("--model", default=None, help="our servers' --model, and the tokenizer that sizes max_tokens "
+    p.add_argument("--model", default=SMALL_MODEL, help="our servers' --model, and the tokenizer that sizes max_tokens "
                                                  "(default smollm2-135m-instruct)")
     p.add_argument("--modes", default="off,fixed,adaptive", help="our servers: comma-separated off, fixed, adaptive")
     p.add_argument("--speculative-method", default="ngram", help="method of the fixed and adaptive servers")
@@ -238,7 +240,7 @@ def register_soak(sub) -> None:
     p.add_argument("--clients", type=POSITIVE, default=64, help="concurrent clients (default 64)")
     p.add_argument("--duration", type=SECONDS, default=600.0, help="seconds of load (default 600)")
     p.add_argument("--warmup", type=float_range(0.0), default=30.0, help="seconds before memory is measured")
-    p.add_argument("--model", default=None, help="default: smollm2-135m-instruct")
+    p.add_argument("--model", default=SMALL_MODEL, help=f"default: {SMALL_MODEL}")
     p.add_argument("--speculative-method", default=None, help="the server's --speculative-method")
     p.add_argument("--speculative-model", default=None, help="the server's --speculative-model")
     p.add_argument("--max-num-seqs", type=MAX_NUM_SEQS, default=32, help="the server's --max-num-seqs")
@@ -257,7 +259,7 @@ def register_fuzz(sub) -> None:
                                    "operation; checks no 5xx, OpenAI-format 4xx, schema-conformant answers, and that "
                                    "the server still answers afterwards.")
     p.add_argument("--url", default=None, help="fuzz this running server (default: start one)")
-    p.add_argument("--model", default=None, help="model of the server started here (default: SmolLM2)")
+    p.add_argument("--model", default=SMALL_MODEL, help="model of the server started here (default: SmolLM2)")
     p.add_argument("--speculative-model", default=None, help="draft of the server started here")
     p.add_argument("--port", type=PORT, default=None)
     p.add_argument("--max-model-len", type=int_range(2), default=96,
@@ -316,6 +318,30 @@ def register_assistant(sub) -> None:
     p.set_defaults(func=_run("specdecode.bench.assistant", "cmd_bench_assistant"))
 
 
+def register_fim(sub) -> None:
+    p = sub.add_parser("fim", help="fill in the middle of standard-library files: ours (plain, lookup, auto) vs "
+                                   "llama.cpp (plain, llama-lookup) on the same prompt tokens",
+                       description="Edits in the middle of held-out standard-library modules (a function body "
+                                   "removed, a few lines removed, a parameter renamed), in llama.cpp's /infill "
+                                   "prompt, greedy, each engine stopping at its end tokens. Ours: plain, ngram and "
+                                   "auto with the draft (adaptive); with --llama-cpp also llama-completion and "
+                                   "llama-lookup on the same tokens. Writes results.json and report.md to --out "
+                                   "(exact-match rate of the middle, decode tokens/s, greedy identical to plain).")
+    p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct",
+                   help="the target, a model with FIM tokens (default qwen2.5-coder-1.5b-instruct)")
+    p.add_argument("--draft", default=None, help="auto's draft model (default: the target's catalog draft)")
+    p.add_argument("--llama-cpp", type=Path, default=None, metavar="BIN_DIR",
+                   help="also llama.cpp (a bin directory built by scripts/build_llama_cpp.sh) on the same file")
+    p.add_argument("--edits", type=int_range(1, 12), default=9, help="edits, one per module (default 9)")
+    p.add_argument("--max-tokens", type=TOKENS, default=128, help="most tokens of a middle (default 128)")
+    p.add_argument("--num-speculative-tokens", type=SPECULATIVE_TOKENS, default=8,
+                   help="ours and llama-lookup: most draft tokens a step (default 8)")
+    p.add_argument("--threads", type=THREADS, default=1, help="threads of every engine (default 1)")
+    p.add_argument("--out", type=Path, default=Path("bench_results/fim"), help="output folder (default "
+                                                                                "bench_results/fim)")
+    p.set_defaults(func=_run("specdecode.bench.fim", "cmd_bench_fim"))
+
+
 def register_sessions(sub) -> None:
     p = sub.add_parser("sessions", help="the paged KV cache against a live server: concurrent sessions, a shared "
                                         "system prompt's reuse with speculation on and off",
@@ -326,7 +352,7 @@ def register_sessions(sub) -> None:
                                    "system prompt of that length, with the default speculation and without: the "
                                    "prefix hit rate after the first request, and whether the answers agree. Writes "
                                    "sessions.json, sessions.txt and sessions.png to --out.")
-    p.add_argument("--model", default="smollm2-135m-instruct", help="the served model (default smollm2-135m-instruct)")
+    p.add_argument("--model", default=SMALL_MODEL, help=f"the served model (default {SMALL_MODEL})")
     p.add_argument("--sessions", type=int_range(1, 4096), default=24, help="concurrent sessions (default 24)")
     p.add_argument("--prompt-tokens", type=int_range(16), default=1000, help="prompt tokens a session (default 1000)")
     p.add_argument("--max-tokens", type=TOKENS, default=8, help="tokens generated a request (default 8)")

@@ -35,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     except SpecdecodeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: one line, no traceback (what it stopped says what it kept)
+        print("\nspecdecode: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import argparse
 from pathlib import Path
 
 from specdecode.catalog.registry import (DEFAULT_MODEL, MODELS, default_speculative_config, is_name, model_name,
-                                         resolve_model, shipped_speculator)
+                                         prefetch, resolve_model, shipped_speculator)
 from specdecode.cli.types import (SEED, SPECULATIVE_TOKENS, TEMPERATURE, THREADS, TOKENS, existing_path, float_range,
                                   int_range)
 from specdecode.errors import ConfigError
@@ -17,12 +17,13 @@ from specdecode.speculation import methods
 from specdecode.speculation.config import DRAFT_KINDS, with_shipped_speculator
 
 
-def add_model_args(p, dtype: str = "auto", adaptive: bool = True) -> None:
+def add_model_args(p, dtype: str = "auto", adaptive: bool = True, model: str | None = None) -> None:
     """--model, --dtype, --device, --threads and the speculative flags (shared by generate, chat, serve, plan and
-    certify). dtype: the command's default; adaptive: whether it offers --adaptive/--no-adaptive."""
-    p.add_argument("--model", default=None,
+    certify). dtype: the command's default; adaptive: whether it offers --adaptive/--no-adaptive; model: the
+    command's default model (None: DEFAULT_MODEL)."""
+    p.add_argument("--model", default=model,
                    help=f"a model name ({', '.join(MODELS)}; fetched on first use), a .gguf file, or a Hugging Face "
-                        f"checkpoint directory (default: {DEFAULT_MODEL})")
+                        f"checkpoint directory (default: {model or DEFAULT_MODEL})")
     add_device_args(p, dtype)
     p.add_argument("--threads", type=THREADS, default=None,
                    help="CPU threads for torch (default: torch's choice; 1 is faster on a busy machine)")
@@ -117,6 +118,7 @@ def resolve_models(args) -> tuple[Path, dict | None, str]:
     """(target checkpoint path, speculative_config, model name to show/serve) from --model and the speculative
     flags; shared by `generate`, `chat` and `serve`. A named model is fetched here on first use."""
     config = speculative_config(args, default_speculative_config(args.model))  # (flags checked before a fetch)
+    prefetch(args.model, config)  # the target and a named draft under one progress bar
     config = with_shipped_speculator(config, args.model)  # eagle/medusa without a path: the shipped heads
     return resolve_model(args.model), config, model_name(args.model)
 

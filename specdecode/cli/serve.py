@@ -20,8 +20,10 @@ API_KEY_ENV = "SPECDECODE_API_KEY"
 DEFAULT_MAX_NUM_SEQS = 32
 """Most sequences decoded at once when --max-num-seqs is not given (fewer if fewer fit the memory)."""
 DEFAULT_MEMORY_FRACTION = 0.25
-"""Share of the memory available at start-up that a CPU server plans for by default: a server shares its machine
-(a 135M model at 8,192 positions needs ~0.5 GiB per sequence; 32 of them would take 16 GiB)."""
+"""Share of the memory available at start-up, beyond the models' weights, that a CPU server plans for its KV pool
+and activations by default: a server shares its machine (a 135M model at 8,192 positions needs ~0.5 GiB per
+sequence; 32 of them would take 16 GiB). With default flags, a server whose models and one sequence fit the memory
+available starts even where that share is too small (its pool is then one sequence)."""
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 """Share of a CUDA device's memory a server plans for by default (vLLM's default)."""
 
@@ -70,8 +72,9 @@ def register(sub) -> None:
                    help="prefill a long prompt that arrives while others decode in chunks between their steps "
                         "(default on)")
     p.add_argument("--memory-fraction", type=float_range(0.0, 1.0, lo_open=True), default=None,
-                   help="on a CPU: the share of the memory available now that the server may plan for "
-                        f"(default {DEFAULT_MEMORY_FRACTION})")
+                   help="on a CPU: the share of the memory available now, beyond the models' weights, that the KV "
+                        f"pool and activations may take (default {DEFAULT_MEMORY_FRACTION}, or more when only that "
+                        "lets one sequence fit)")
     p.add_argument("--disable-by-batch-size", type=POSITIVE, default=None,
                    help="never speculate while this many sequences run")
     p.add_argument("--stall-timeout", type=SECONDS, default=None,
@@ -121,15 +124,15 @@ class Sizing:
     """What the start-up plan found, for the ready line."""
 
     planned: int | None = None
-    """Bytes the plan counts for the chosen batch (None: no plan, nothing known of the memory)."""
+    """Bytes the process will hold: the plan's weights, whole KV pool and activations, plus what Python and torch
+    held before the models loaded (None: no plan, nothing known of the memory)."""
     available: int | None = None
     """Bytes available at start-up that --memory-fraction took its share of (None: a budget was given)."""
 
 
 def memory_defaults(args, device) -> int | None:
-    """Without --memory-budget or --gpu-memory-utilization, plan for a share of what the machine has now; returns
-    the bytes available that the share was taken of (None when a budget was given or nothing is known)."""
-    from specdecode.plan import GiB
+    """Without --memory-budget or --gpu-memory-utilization on a CPU, returns the bytes available now (size_batch
+    plans for the models and a share of what they leave); None when a budget was given or nothing is known."""
     from specdecode.hardware import available_memory
 
     if args.memory_budget is not None or args.gpu_memory_utilization is not None:
@@ -137,11 +140,18 @@ def memory_defaults(args, device) -> int | None:
     if device.type == "cuda":
         args.gpu_memory_utilization = DEFAULT_GPU_MEMORY_UTILIZATION
         return None
-    available = available_memory()
-    if available is not None:
-        fraction = args.memory_fraction if args.memory_fraction is not None else DEFAULT_MEMORY_FRACTION
-        args.memory_budget = fraction * available / GiB
-    return available
+    return available_memory()
+
+
+def resident_bytes() -> int:
+    """This process's resident memory now (Python, torch and whatever is loaded); 0 where it cannot be read."""
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def size_batch(args, model_dir, config) -> Sizing:
@@ -157,33 +167,45 @@ def size_batch(args, model_dir, config) -> Sizing:
                           f"lower it to {context} or less")
     device = resolve_device(args.device)
     available = memory_defaults(args, device)
+    runtime = resident_bytes()  # Python and torch, before any model loads
     budget = memory_budget_bytes(device, scaleout_kwargs(args)["memory_budget"], args.gpu_memory_utilization)
     wanted = args.max_num_seqs or DEFAULT_MAX_NUM_SEQS
-    if budget is None:  # nothing known of the memory: take the flag or the default as it is
+    if budget is None and available is None:  # nothing known of the memory: take the flag or the default as it is
         args.max_num_seqs = wanted
         return Sizing()
     spec = SpeculativeConfig.parse(with_shipped_speculator(config, args.model))
     quantization = resolve_quantization(args.quantization, model_dir, device, args.tensor_parallel_size)
-    def plan_for(max_model_len):
+    def plan_for(max_model_len, budget):
         return plan_memory(model_dir, budget, max_model_len, wanted, spec, args.dtype, args.device,
                            args.tensor_parallel_size, quantization=quantization,
                            block_size=(args.block_size or None) if args.tensor_parallel_size == 1 else None,
                            kv_cache_dtype=args.kv_cache_dtype)
 
-    plan = plan_for(args.max_model_len)
+    if budget is None:  # a CPU without a budget: the models, and a share of what they leave
+        fraction = args.memory_fraction if args.memory_fraction is not None else DEFAULT_MEMORY_FRACTION
+        probe = plan_for(args.max_model_len, available)
+        weights = probe.target.weights + probe.draft.weights
+        budget = int(weights + fraction * max(0, available - weights))
+    plan = plan_for(args.max_model_len, budget)
+    one_sequence = available is not None and args.memory_fraction is None and args.max_num_seqs is None
+    if plan.largest_batch() < 1 and one_sequence and (args.max_model_len is not None or plan.max_model_len <= 2048):
+        # default flags: start whenever the models and one sequence fit the memory available
+        plan = fit_one_sequence(plan, plan_for, args.max_model_len, available)
     largest = plan.largest_batch()
     while largest < 1 and args.max_model_len is None and plan.max_model_len > 2048:
         # no length asked for, and the model's whole context does not fit one sequence (a 32k-context model's
         # full-length prefill alone holds GBs of activations): serve shorter sequences, and say so
         shorter = plan.max_model_len // 2
-        plan = plan_for(shorter)
+        plan = plan_for(shorter, plan.budget)
+        if plan.largest_batch() < 1 and one_sequence and shorter <= 2048:
+            plan = fit_one_sequence(plan, plan_for, shorter, available)
         largest = plan.largest_batch()
         if largest >= 1:
             print(f"specdecode: serving sequences of up to {shorter} positions (the model's {context} do not fit "
                   "the memory budget; --max-model-len / --memory-fraction change it)", file=sys.stderr, flush=True)
-    where = (f"{budget / 2**30:.1f} GiB (--memory-budget / --gpu-memory-utilization)" if available is None
-             else f"{budget / 2**30:.1f} GiB ({plan.headroom:.0%} kept free; --memory-fraction of the "
-                  f"{available / 2**30:.1f} GiB available)")
+    where = (f"{plan.budget / 2**30:.1f} GiB (--memory-budget / --gpu-memory-utilization)" if available is None
+             else f"{plan.budget / 2**30:.1f} GiB ({plan.headroom:.0%} kept free; the models and --memory-fraction of "
+                  f"the rest of the {available / 2**30:.1f} GiB available)")
     if largest < 1:
         raise ConfigError(f"not even one sequence of {plan.max_model_len} positions fits {where}: lower "
                           "--max-model-len, or raise --memory-fraction / --memory-budget")
@@ -193,7 +215,19 @@ def size_batch(args, model_dir, config) -> Sizing:
                           f"{largest} or --max-model-len, or raise --memory-fraction / --memory-budget")
     args.max_num_seqs = min(wanted, largest)
     args.max_model_len = plan.max_model_len
-    return Sizing(plan.needed(args.max_num_seqs), available)
+    if available is not None:  # the engine allocates the budget planned here
+        args.memory_budget = plan.budget / 2**30
+    return Sizing(plan.planned() + runtime, available)
+
+
+def fit_one_sequence(plan, plan_for, max_model_len: int, available: int):
+    """The plan of a budget just large enough for the models and one sequence of max_model_len (the pool then holds
+    one sequence), when the memory available has room for it; else `plan` as it was."""
+    needed = int(plan.needed() / (1 - plan.headroom)) + plan.block_size * plan.kv_per_position() * 2 \
+        if plan.block_size else int(plan.needed(1) / (1 - plan.headroom))
+    if needed > available:
+        return plan
+    return plan_for(max_model_len, needed)
 
 
 def configuration_line(llm, name: str, sizing: Sizing) -> str:
@@ -209,7 +243,7 @@ def configuration_line(llm, name: str, sizing: Sizing) -> str:
     threads = torch.get_num_threads()
     memory = ""
     if sizing.planned is not None:
-        memory = f", {sizing.planned / 2**30:.1f} GiB planned"
+        memory = f", {sizing.planned / 2**30:.2f} GiB planned (models, KV pool, activations, runtime)"
         if sizing.available is not None:
             memory += f" of {sizing.available / 2**30:.1f} GiB available"
     from specdecode.model.quant import quantized_format

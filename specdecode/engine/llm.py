@@ -1,6 +1,7 @@
 """`LLM`: offline generation in the shape vLLM users know, with optional speculative decoding.
 
-    llm = LLM()  # smollm2-135m-instruct, fetched on first use; or LLM(model="file.gguf" or a HF directory)
+    llm = LLM()  # qwen2.5-coder-1.5b-instruct with its 0.5B drafting, fetched on first use
+    llm = LLM(model="file.gguf" or a HF directory)  # plain decoding unless speculative_config says
     llm = LLM(model=DIR, speculative_config={"method": "draft_model", "model": DRAFT, "num_speculative_tokens": 5})
     outputs = llm.generate(["def f(x):"], SamplingParams(temperature=0, max_tokens=64))
 """
@@ -21,28 +22,35 @@ from specdecode.engine.sequence import RequestOutput, Sequence, SpecStats
 from specdecode.engine.step import StepRunner
 from specdecode.errors import ConfigError
 from specdecode.model.cache import BLOCK_SIZE, KV_DTYPES
+from specdecode.model.fim import FimTokens, fim_ids, require_fim
 from specdecode.model.loading import read_config, resolve_device, resolve_quantization
 from specdecode.model.tokenizer import Tokenizer
-from specdecode.catalog.registry import default_speculative_config, model_name, resolve_model
+from specdecode.catalog.registry import default_speculative_config, model_name, prefetch, resolve_model
 from specdecode.sampling import SamplingParams, choice_seed
 from specdecode.speculation.config import SpeculativeConfig, build_proposer, with_shipped_speculator
 from specdecode.speculation.control import SpecController
 from specdecode.speculation.grammar import Grammar
 
 
+def fim_params(params: SamplingParams, fim: FimTokens) -> SamplingParams:
+    """params that also stop where a middle ends (the format's end tokens; the EOS stops it anyway)."""
+    return dataclasses.replace(params, stop_token_ids=sorted({*(params.stop_token_ids or ()), *fim.stop_ids}))
+
+
 class LLM:
     def __init__(self, model: str | Path | None = None, dtype: str = "auto", device: str | None = None,
-                 speculative_config: dict | SpeculativeConfig | str | None = None, max_num_seqs: int = 32,
+                 speculative_config: dict | SpeculativeConfig | str | None = "auto", max_num_seqs: int = 32,
                  max_model_len: int | None = None, quantization: str | None = "auto", tensor_parallel_size: int = 1,
                  draft_tensor_parallel_size: int | None = None, memory_budget: int | None = None,
                  gpu_memory_utilization: float | None = None, threads: int | None = None,
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
                  block_size: int | None = BLOCK_SIZE, kv_cache_dtype: str = "auto",
                  num_kv_blocks: int | None = None):
-        """model: a model name (default: smollm2-135m-instruct, fetched on first use), a .gguf file, or a
+        """model: a model name (default: qwen2.5-coder-1.5b-instruct, fetched on first use), a .gguf file, or a
         Hugging Face checkpoint directory.
-        speculative_config: vLLM-style dict, e.g. {"method": "ngram", "num_speculative_tokens": 8}; None (default)
-        = plain decoding; "auto" = the speculator shipped for a named model, as the CLI uses (none for a path).
+        speculative_config: vLLM-style dict, e.g. {"method": "ngram", "num_speculative_tokens": 8}; None = plain
+        decoding; "auto" (default) = the speculator shipped for a named model, as the CLI uses (the default model's
+        is its 0.5B drafting; none for a path: a file or directory decodes plainly unless a dict says otherwise).
         Speculation is adaptive unless the config says {"adaptive": False} (then it always drafts K): each step
         drafts what pays, nothing for a request whose drafts do not; that times the target at start-up for every
         batch size up to max_num_seqs (seconds each).
@@ -80,6 +88,7 @@ class LLM:
                 raise ConfigError(f"speculative_config must be a dict, None or 'auto', got {speculative_config!r}")
             speculative_config = default_speculative_config(model)
         self.model_name = model_name(model)
+        prefetch(model, speculative_config)  # a named target and its named draft under one progress bar
         self.model_dir = resolve_model(model)
         self.device = resolve_device(device)
         self.spec_config = SpeculativeConfig.parse(with_shipped_speculator(speculative_config, model))
@@ -197,14 +206,20 @@ class LLM:
 
     def generate(self, prompts: str | list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """Generate for every prompt; sequences run as one batch (up to max_num_seqs at once)."""
+                 use_tqdm: bool = False, suffix: str | list[str] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt; sequences run as one batch (up to max_num_seqs at once).
+        suffix: fill in the middle: each prompt is the text before the cursor, its suffix (one for all, or one per
+        prompt) the text after it, and the output is what goes between (model/fim.py; the model's vocabulary must
+        have FIM tokens). Speculation drafts from the suffix as from the prompt."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ConfigError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        texts = None
+        if suffix is not None:
+            texts, prompts, params = prompts, *self._fill_in_the_middle(prompts, params, suffix)
         groups = [[self.make_sequence(p, dataclasses.replace(sp, n=1, seed=choice_seed(sp.seed, i)))
                    for i in range(sp.n)] for p, sp in zip(prompts, params)]  # a prompt's choices side by side
         seqs = [s for group in groups for s in group]
@@ -221,7 +236,22 @@ class LLM:
                 choice.index = i
                 out.outputs.append(choice)
             outputs.append(out)
+        for out, text in zip(outputs, texts or []):
+            out.prompt = text
         return outputs
+
+    def _fill_in_the_middle(self, prompts: list[str], params: list[SamplingParams], suffix: str | list[str]
+                            ) -> tuple[list[list[int]], list[SamplingParams]]:
+        """generate's prompts and suffixes as FIM prompt ids, and their params stopping where a middle ends."""
+        fim = require_fim(self.tokenizer)
+        suffixes = [suffix] * len(prompts) if isinstance(suffix, str) else list(suffix)
+        if len(suffixes) != len(prompts) or any(not isinstance(s, str) for s in suffixes):
+            raise ConfigError(f"suffix must be a string or one string per prompt; got {len(suffixes)} for "
+                              f"{len(prompts)} prompts")
+        if any(not isinstance(p, str) for p in prompts):
+            raise ConfigError("a prompt with a suffix must be text (the code before the cursor), not token ids")
+        return ([fim_ids(self.tokenizer, fim, p, s) for p, s in zip(prompts, suffixes)],
+                [fim_params(sp, fim) for sp in params])
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -238,10 +268,10 @@ class LLM:
         """Yield the text of one prompt as it is generated; joined, it is `generate`'s text (with stop strings, text
         that could begin one is yielded once the next tokens show it does not)."""
         seq = self.make_sequence(prompt, params)
+        self.last_stats = seq.stats  # (counted as it runs: what a stream closed early had generated)
         for deltas in self._run([seq]):
             if deltas.get(seq.request_id):
                 yield deltas[seq.request_id]
-        self.last_stats = seq.stats
 
     def _run(self, seqs: list[Sequence]) -> Iterator[dict[str, str]]:
         """Continuous batching over a fixed list of sequences; yields {request_id: new text} per step."""
@@ -252,5 +282,8 @@ class LLM:
         scheduler = self.make_scheduler(slots)
         for seq in seqs:
             scheduler.add(seq)
-        while scheduler.has_work:
-            yield scheduler.step().deltas
+        try:
+            while scheduler.has_work:
+                yield scheduler.step().deltas
+        finally:  # a stream closed early (Ctrl-C in chat) gives its rows back for the next request
+            scheduler.abort_all()

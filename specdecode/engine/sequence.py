@@ -111,7 +111,7 @@ class Sequence:
         """Tokens the last prefill covered (the prompt; prompt and output so far for one recomputed after preemption)."""
         self.random = RequestRandom(params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,))))
         self.stats = SpecStats()
-        self.eos_ids = set() if params.ignore_eos else set(eos_ids)
+        self.eos_ids = (set() if params.ignore_eos else set(eos_ids)) | set(params.stop_token_ids or ())
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids)
         self.text = ""
         self.text_shown = 0

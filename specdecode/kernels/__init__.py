@@ -4,9 +4,9 @@
 (a whole decoder layer per call), or None where it cannot be built (no C++ compiler, no ninja, a failed build):
 callers then keep dequantized weights, which is correct and slower, and `failure()` says why, naming the compiler's
 first errors (the test suite fails with it: tests/compiled.py). The build lands in the cache
-(~/.cache/specdecode/kernels, or $SPECDECODE_KERNELS_DIR), keyed by the sources, the torch and Python versions and
-this CPU's instruction sets, so it happens once per machine (60-80 s on a 2-core AMD EPYC) and later processes load
-it in milliseconds.
+(~/.cache/specdecode/kernels, $SPECDECODE_CACHE/kernels, or $SPECDECODE_KERNELS_DIR), keyed by the sources, the
+torch and Python versions and this CPU's instruction sets, so it happens once per machine (60-80 s on a 2-core AMD
+EPYC) and later processes load it in milliseconds.
 """
 from __future__ import annotations
 
@@ -28,9 +28,13 @@ _failure: str | None = None
 
 
 def cache_dir() -> Path:
+    """$SPECDECODE_KERNELS_DIR, else the kernels folder of specdecode's cache ($SPECDECODE_CACHE, as the models)."""
     root = os.environ.get("SPECDECODE_KERNELS_DIR")
     if root:
         return Path(root)
+    cache = os.environ.get("SPECDECODE_CACHE")
+    if cache:
+        return Path(cache) / "kernels"
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specdecode" / "kernels"
 
 

@@ -1,6 +1,7 @@
-"""The OpenAI-compatible HTTP API over an AsyncEngine: /v1/completions, /v1/chat/completions (both with
-"stream": true as server-sent events), /v1/models, /health, Prometheus /metrics and the live /dashboard (with
-/dashboard/data, server/dashboard.py).
+"""The OpenAI-compatible HTTP API over an AsyncEngine: /v1/completions (with OpenAI's suffix: fill in the middle),
+/v1/chat/completions (both with "stream": true as server-sent events), /v1/models, /health, Prometheus /metrics and
+the live /dashboard (with /dashboard/data, server/dashboard.py); and llama.cpp's own /completion and /infill, which
+code editors call (server/llama_native.py).
 
 Every request is checked before the engine sees it (Guard: host, key, content type, body size; ServerLimits and
 the request models: everything else); anything wrong is a 4xx in OpenAI's error format. Parsing, chat template
@@ -25,13 +26,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdecode.engine.async_engine import (AsyncEngine, EngineDead, EngineOverloaded, RequestAborted,
                                             RequestFailed, RequestStream)
+from specdecode.engine.llm import fim_params
 from specdecode.errors import ConfigError
+from specdecode.model.fim import fim_ids, fim_tokens, infill_ids, require_fim
 from specdecode.sampling import SamplingParams, choice_seed
 from specdecode.server.guard import LOCAL_HOSTS, Guard
 from specdecode.speculation.grammar import Grammar
 from specdecode.server.limits import ServerLimits
-from specdecode.server import dashboard, schema, tools
-from specdecode.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request, parse
+from specdecode.server import dashboard, llama_native, schema, tools
+from specdecode.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, InfillRequest,
+                                        LlamaCompletionRequest, bad_request, parse)
 
 MAX_PROMPT_CHARS_PER_TOKEN = 64
 """Prompts longer than this many characters per allowed prompt token are refused before tokenisation."""
@@ -64,8 +68,9 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
     vocab = llm.target.config.vocab_size
     max_prompt = limits.prompt_tokens(llm.max_model_len)
     tool_calling = tools.ToolCalling(llm.tokenizer, vocab)  # what the chat template does with tools, probed once
+    fim = fim_tokens(llm.tokenizer)  # None: the model cannot fill in the middle (suffix and /infill are refused)
     schema.install(app, schema.accepted_fields(model_name, vocab, llm.max_model_len, limits,
-                                               tools=tool_calling.format is not None))
+                                               tools=tool_calling.format is not None, fim=fim is not None))
     created = int(time.time())
 
     @app.exception_handler(APIError)
@@ -173,9 +178,70 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
         req = parse(CompletionRequest, body)
         check(req)
         prompt = req.single_prompt()
-        ids = tokenize(prompt)
+        if req.suffix:
+            ids = fill_in_the_middle(prompt, req.suffix)
+        else:
+            ids = tokenize(prompt)
         echo = (prompt if isinstance(prompt, str) else llm.tokenizer.decode(ids)) if req.echo else ""
-        return prepared(req, ids, req.max_tokens, req.logprobs, echo)
+        ready = prepared(req, ids, req.max_tokens, req.logprobs, echo)
+        if req.suffix:
+            ready.params = fim_params(ready.params, fim)
+        return ready
+
+    def fill_in_the_middle(prompt: str | list[int], suffix: str) -> list[int]:
+        """The model card's FIM prompt of a completion with a suffix (the prompt is the text before the middle)."""
+        need_fim("suffix")
+        if not isinstance(prompt, str):
+            raise bad_request("a prompt with a suffix must be text (the code before the insertion point), not token "
+                              "ids", "prompt")
+        if len(prompt) + len(suffix) > MAX_PROMPT_CHARS_PER_TOKEN * max_prompt:
+            raise bad_request(f"the prompt and suffix are longer than the {max_prompt} tokens this server accepts",
+                              "prompt")
+        return tokenize(fim_ids(llm.tokenizer, fim, prompt, suffix))
+
+    def need_fim(what: str) -> None:
+        try:
+            require_fim(llm.tokenizer, what)
+        except ConfigError as exc:
+            raise bad_request(str(exc), "suffix" if what == "suffix" else "input_prefix") from None
+
+    def prepare_native(body: bytes, infill: bool) -> Prepared:
+        """A llama.cpp /completion or /infill body (params None: n_predict 0, nothing to generate)."""
+        req = parse(InfillRequest if infill else LlamaCompletionRequest, body)
+        limits.check_request(req, vocab)
+        if infill:
+            need_fim("/infill")
+            texts = (req.input_prefix, req.input_suffix, req.prompt, *(f.text for f in req.input_extra))
+            size = sum(map(len, texts))
+            if size > MAX_PROMPT_CHARS_PER_TOKEN * max_prompt * 4:
+                raise bad_request(f"the infill body is far longer than the {max_prompt} tokens this server accepts",
+                                  "input_extra")
+            files = [(f.filename, f.text) for f in req.input_extra]
+            ids = tokenize(infill_ids(llm.tokenizer, fim, req.input_prefix, req.input_suffix, req.prompt, files,
+                                      max_tokens=max_prompt))
+        else:
+            ids = tokenize(req.prompt)
+        asked = req.tokens_asked()
+        if asked == 0:
+            return Prepared(req, ids, None)
+        params = native_params(req, len(ids), asked)
+        # Both routes stop at the FIM end tokens too, as llama.cpp's end-of-generation set holds them.
+        return Prepared(req, ids, fim_params(params, fim) if fim is not None else params)
+
+    def native_params(req: LlamaCompletionRequest, prompt_len: int, asked: int | None) -> SamplingParams:
+        room = llm.max_model_len - prompt_len
+        if asked is not None and asked > room:
+            raise bad_request(f"this model's context is {llm.max_model_len} tokens; the prompt has {prompt_len} "
+                              f"and n_predict is {asked}: ask for at most {room} tokens", "n_predict")
+        try:
+            return SamplingParams(max_tokens=asked or room, temperature=max(0.0, req.temperature), top_k=req.top_k,
+                                  top_p=req.top_p, min_p=req.min_p, presence_penalty=req.presence_penalty,
+                                  frequency_penalty=req.frequency_penalty, stop=req.stop,
+                                  seed=None if req.seed in (None, -1) else req.seed, ignore_eos=req.ignore_eos,
+                                  use_speculation=req.use_speculation, logprobs=req.probs())
+        except ConfigError as exc:
+            field = str(exc).split(" ", 1)[0]
+            raise bad_request(str(exc), field) from None
 
     def prepare_chat(body: bytes) -> Prepared:
         req = parse(ChatCompletionRequest, body)
@@ -309,6 +375,99 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
         return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model_name,
                 "choices": choices, "usage": _total_usage(results)}
 
+    @app.post("/completion", **schema.generation_route(LlamaCompletionRequest, schema.LlamaCompletion))
+    async def llama_completion(request: Request):
+        """llama.cpp's own completion route (Continue's llama.cpp provider streams it, its FIM prompt in prompt)."""
+        return await native(request, infill=False)
+
+    @app.post("/infill", **schema.generation_route(InfillRequest, schema.LlamaCompletion))
+    async def llama_infill(request: Request):
+        """llama.cpp's fill-in-the-middle route, as llama.vscode calls it."""
+        return await native(request, infill=True)
+
+    async def native(request: Request, infill: bool):
+        prepared = await run_in_threadpool(prepare_native, await request.body(), infill)
+        req, ids, params = prepared.req, prepared.ids, prepared.params
+        prompt_text = llm.tokenizer.decode(ids, skip_special_tokens=False)
+        settings = {"n_predict": 0 if params is None else params.max_tokens,
+                    "temperature": req.temperature, "top_k": req.top_k, "top_p": req.top_p, "min_p": req.min_p,
+                    "stop": [req.stop] if isinstance(req.stop, str) else (req.stop or []),
+                    "seed": -1 if req.seed is None else req.seed, "n_probs": req.probs() or 0,
+                    "speculative": llm.spec_config.method if llm.proposer is not None else None}
+        if params is None:  # n_predict 0: nothing to generate (llama.vscode sends it to warm the cache)
+            timing = llama_native.timings(len(ids), 0, 0, 0)
+            body = llama_native.select(req.response_fields, llama_native.final(
+                model_name, "", prompt_text, len(ids), 0, "limit", "", settings, timing))
+            if req.stream:
+                return _sse_response(_one_event(body))
+            return body
+        stream = submit(prepared, f"cmpl-{uuid.uuid4().hex}")[0]
+        editor = llama_native.EditorLimits(req.n_indent or 0, req.t_max_predict_ms or 0)
+
+        def finished(text: str, finish: str | None, probs: list | None) -> dict:
+            seq, now = stream.seq, time.perf_counter()
+            first = stream.first_token_time or now
+            stop_type, word = "limit", ""
+            if finish == "stop":
+                full = llm.tokenizer.decode(seq.output_ids)
+                word = next((w for w in params.stop if full[len(seq.text):].startswith(w)), "")
+                stop_type = "word" if word else "eos"
+            timing = llama_native.timings(len(ids), first - stream.arrival, seq.num_generated, now - first,
+                                          seq.stats.draft_tokens, seq.stats.accepted_tokens)
+            return llama_native.select(req.response_fields, llama_native.final(
+                model_name, text, prompt_text, len(ids), seq.num_generated, stop_type, word, settings, timing, probs))
+
+        async def pieces() -> AsyncIterator[tuple[str, list, str | None]]:
+            """(text, logprobs, finish reason) of each delta, the text ending where an editor's limit (n_indent,
+            t_max_predict_ms) cuts it: then the request is aborted and its finish reason is "length" (llama.cpp's
+            "limit")."""
+            text = ""
+            async for delta in stream:
+                cut = editor.cut(text + delta.text, time.perf_counter() - (stream.first_token_time or 0), delta.text)
+                if cut is not None:
+                    stream.abort()
+                    yield (text + delta.text)[len(text):cut], delta.logprobs or [], "length"
+                    return
+                text += delta.text
+                yield delta.text, delta.logprobs or [], delta.finish_reason
+
+        def probabilities(logprobs: list) -> list | None:
+            return llama_native.probabilities(logprobs, llm.tokenizer) if logprobs else None
+
+        if req.stream:
+            async def events() -> AsyncIterator[str]:
+                try:
+                    async for text, logprobs, finish in pieces():
+                        if text or logprobs:
+                            yield _sse(llama_native.select(req.response_fields, llama_native.partial(
+                                text, stream.seq.num_generated, len(ids), probabilities(logprobs))))
+                        if finish is not None:
+                            yield _sse(finished("", finish, None))
+                except (RequestFailed, EngineDead) as exc:
+                    yield _sse(APIError(500, str(exc), type="server_error").body())
+                finally:
+                    stream.abort()
+            return _sse_response(events())
+
+        async def collect() -> tuple[str, str | None, list]:
+            parts, all_logprobs, finish = [], [], None
+            async for text, logprobs, finish in pieces():
+                parts.append(text)
+                all_logprobs += logprobs
+            return "".join(parts), finish, all_logprobs
+
+        watcher = asyncio.create_task(_abort_on_disconnect(request, stream))
+        try:
+            text, finish, logprobs = await collect()
+        except RequestAborted:
+            raise APIError(499, "the client closed the request") from None
+        except (RequestFailed, EngineDead) as exc:
+            raise APIError(500, str(exc), type="server_error") from None
+        finally:
+            watcher.cancel()
+            stream.abort()
+        return finished(text, finish, probabilities(logprobs))
+
     def token_text(token: int) -> str:
         return llm.tokenizer.decode([token])
 
@@ -347,6 +506,10 @@ def _sse(body: dict) -> str:
     # ASCII only: generated text may hold U+2028, U+2029 or U+0085, which SSE does not treat as line ends but
     # splitlines-based clients (httpx's aiter_lines, for one) do, cutting an event in two.
     return f"data: {json.dumps(body)}\n\n"
+
+
+async def _one_event(body: dict) -> AsyncIterator[str]:
+    yield _sse(body)
 
 
 def _sse_response(events: AsyncIterator[str]) -> StreamingResponse:
@@ -413,6 +576,12 @@ def _total_usage(results: list[tuple]) -> dict:
     """Usage of all choices: the prompt once, every choice's tokens."""
     usages = [usage for _, _, usage, _ in results]
     return _usage(usages[0]["prompt_tokens"], sum(u["completion_tokens"] for u in usages))
+
+
+async def _abort_on_disconnect(request: Request, stream: RequestStream) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    stream.abort()
 
 
 async def _collect(stream: RequestStream, request: Request) -> tuple[str, str | None, dict, list]:

@@ -173,6 +173,8 @@ class CompletionRequest(_Request):
     logprobs: Int | None = None
     best_of: Int | None = None
     suffix: str | None = None
+    """Fill in the middle: the text after the insertion point, the prompt being the text before it (models whose
+    vocabulary has FIM tokens; model/fim.py). "" or null: a plain completion."""
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -183,8 +185,6 @@ class CompletionRequest(_Request):
                               "them", "echo")
         if self.best_of not in (None, 1):
             raise bad_request("best_of is not supported", "best_of")
-        if self.suffix:
-            raise bad_request("suffix is not supported", "suffix")
 
     def single_prompt(self) -> str | list[int]:
         """The prompt as text or token ids (a list holding one prompt is accepted too)."""
@@ -195,6 +195,79 @@ class CompletionRequest(_Request):
                                   "prompt")
             prompt = prompt[0]
         return prompt
+
+
+class ExtraFile(BaseModel):
+    """One entry of /infill's input_extra: another file of the project, as context."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    text: str
+    filename: str = "tmp"
+    """llama.cpp's default name."""
+
+
+class LlamaCompletionRequest(BaseModel):
+    """llama.cpp's server's own /completion body (what its clients send, Continue's llama.cpp provider among them):
+    the fields specdecode honours, with llama.cpp's defaults. Its other sampler settings (samplers, mirostat,
+    dry_*, xtc_*, typical_p, ...), cache_prompt, t_max_prompt_ms, id_slot and lora are accepted and ignored."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    prompt: str | list[Int] = ""
+    n_predict: Int | None = None
+    """Most tokens to generate; -1 or absent: until an end token or the context is full; 0: none (a client warming
+    the cache)."""
+    max_tokens: Int | None = None
+    """Alias of n_predict (used when n_predict is absent)."""
+    temperature: float = Field(0.8, allow_inf_nan=False)
+    top_k: Int = 40
+    top_p: float = Field(0.95, allow_inf_nan=False)
+    min_p: float = Field(0.05, allow_inf_nan=False)
+    presence_penalty: float = Field(0.0, allow_inf_nan=False)
+    frequency_penalty: float = Field(0.0, allow_inf_nan=False)
+    stream: bool = False
+    stop: list[str] | str | None = None
+    seed: Int | None = Field(None, ge=-1, lt=2 ** 64)
+    """-1 or absent: a fresh seed."""
+    n_probs: Int | None = None
+    """The most likely tokens to report at each position (completion_probabilities); alias logprobs."""
+    logprobs: Int | None = None
+    ignore_eos: bool = False
+    response_fields: list[str] | None = None
+    """Only these fields of the answer ("timings/predicted_n" reaches into an object), as llama.cpp."""
+    use_speculation: bool = True
+    """specdecode extension: false decodes this request without speculation."""
+    n_indent: Int | None = Field(None, ge=-1)
+    """A line after the first indented less than this ends the answer (llama.cpp's; llama.vscode sends it)."""
+    t_max_predict_ms: Int | None = None
+    """After this many ms of generating, the next newline ends the answer (llama.cpp's; llama.vscode sends it)."""
+
+    def tokens_asked(self) -> int | None:
+        """n_predict (else max_tokens); None for "until the end" (-1 or absent)."""
+        n = self.n_predict if self.n_predict is not None else self.max_tokens
+        if n is not None and n < -1:
+            raise bad_request("n_predict must be -1 (until an end token), 0 or a positive number of tokens",
+                              "n_predict")
+        return None if n is None or n == -1 else n
+
+    def probs(self) -> int | None:
+        n = self.n_probs if self.n_probs is not None else self.logprobs
+        if n is not None and not 0 <= n <= MAX_LOGPROBS:
+            raise bad_request(f"n_probs must be in [0, {MAX_LOGPROBS}]", "n_probs")
+        return n or None
+
+    def check_supported(self) -> None:
+        self.tokens_asked()
+        self.probs()
+
+
+class InfillRequest(LlamaCompletionRequest):
+    """llama.cpp's /infill body (llama.vscode sends it): the code before and after the cursor, other files of the
+    project, and the text typed so far on the cursor's line (prompt)."""
+
+    input_prefix: str
+    input_suffix: str
+    input_extra: list[ExtraFile] = []
+    prompt: str = ""
 
 
 class TextPart(BaseModel):

@@ -9,7 +9,8 @@ from pydantic import BaseModel
 
 from specdecode.server.limits import ServerLimits
 from specdecode.sampling import MAX_LOGPROBS, MAX_N
-from specdecode.server.protocol import FUNCTION_NAME, MAX_LOGIT_BIAS, ChatCompletionRequest, CompletionRequest
+from specdecode.server.protocol import (FUNCTION_NAME, MAX_LOGIT_BIAS, ChatCompletionRequest, CompletionRequest,
+                                        InfillRequest, LlamaCompletionRequest)
 
 REF = "#/components/schemas/{model}"
 
@@ -112,6 +113,27 @@ class ChatCompletion(BaseModel):
     usage: Usage
 
 
+class LlamaTimings(BaseModel):
+    prompt_n: int
+    prompt_ms: float
+    predicted_n: int
+    predicted_ms: float
+    predicted_per_second: float
+
+
+class LlamaCompletion(BaseModel):
+    """A /completion or /infill answer in llama.cpp's own format (with "stream": true, server-sent events of partial
+    answers with "stop": false, then this one with an empty content). response_fields selects some fields only."""
+
+    content: str | None = None
+    stop: bool | None = None
+    tokens_predicted: int | None = None
+    tokens_evaluated: int | None = None
+    stop_type: str | None = None
+    """"eos", "word" (a stop string, in stopping_word) or "limit" (n_predict)."""
+    timings: LlamaTimings | None = None
+
+
 ERRORS = {
     400: "the body is not a valid request (the message names the field), or asks for something unsupported",
     401: "the API key is missing or wrong",
@@ -141,12 +163,12 @@ def _nullable(schema: dict) -> dict:
 
 
 def accepted_fields(model_name: str, vocab: int, context: int, limits: ServerLimits,
-                    tools: bool = False) -> tuple[dict, dict, dict, dict]:
+                    tools: bool = False, fim: bool = False) -> tuple[dict, dict, dict, dict]:
     """The values the server accepts, where the request models' types alone allow more (the routes check these
     after parsing): fields of both requests, of completions only, of chat only, of a chat message. With them the
     schema describes the bodies that are served, so that a fuzzer's valid requests reach the engine. tools: the
     model's chat template takes tools (server/tools.py); else tools, tool_choice and messages' tool_calls are
-    refused."""
+    refused. fim: the vocabulary has fill-in-the-middle tokens (model/fim.py); else a suffix must be empty."""
     stop = {"type": "string", "minLength": 1, "maxLength": limits.max_stop_chars}
     tokens = {"type": "integer", "minimum": 1, "maximum": max(1, context - 1)}
     ids = {"type": "array", "minItems": 1, "maxItems": limits.prompt_tokens(context),
@@ -174,7 +196,7 @@ def accepted_fields(model_name: str, vocab: int, context: int, limits: ServerLim
                              {"type": "array", "items": ids, "minItems": 1, "maxItems": 1}]},
         "logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS}),
         "best_of": _nullable({"type": "integer", "enum": [1]}),
-        "suffix": _nullable({"type": "string", "maxLength": 0}),
+        "suffix": _nullable({"type": "string"} if fim else {"type": "string", "maxLength": 0}),
     }
     chat = {
         "messages": {"type": "array", "items": {"$ref": REF.format(model="ChatMessage")}, "minItems": 1,
@@ -207,15 +229,17 @@ def install(app: FastAPI, accepted: tuple[dict, dict, dict, dict] | None = None)
                                  description="OpenAI-compatible API with lossless speculative decoding")
             components = schema.setdefault("components", {}).setdefault("schemas", {})
             common, completion, chat, message = accepted or ({}, {}, {}, {})
-            for model, own in ((CompletionRequest, completion), (ChatCompletionRequest, chat)):
+            for model, own in ((CompletionRequest, completion), (ChatCompletionRequest, chat),
+                               (LlamaCompletionRequest, {}), (InfillRequest, {})):
                 body = model.model_json_schema(ref_template=REF)
                 components.update(body.pop("$defs", {}))
-                for name, narrowed in {**common, **own}.items():
+                narrowing = {**common, **own} if model in (CompletionRequest, ChatCompletionRequest) else own
+                for name, narrowed in narrowing.items():
                     body["properties"][name] = {**narrowed, "title": body["properties"][name].get("title", name)}
                 if model is CompletionRequest:  # echo with logprobs is refused
                     body["if"] = {"properties": {"echo": {"const": True}}, "required": ["echo"]}
                     body["then"] = {"properties": {"logprobs": {"type": "null"}}}
-                else:  # top_logprobs only with logprobs: true
+                elif model is ChatCompletionRequest:  # top_logprobs only with logprobs: true
                     body["if"] = {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}
                     body["else"] = {"properties": {"top_logprobs": {"type": "null"}}}
                 components[model.__name__] = body

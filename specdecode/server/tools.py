@@ -3,7 +3,7 @@ writes tools into the prompt at all, and in which tool-call format its model ans
 template itself writes (today Hermes / Qwen2.5's <tool_call>{"name": ..., "arguments": {...}}</tool_call>). Per
 request it checks the tools, builds the grammar that makes tool_choice "required" or a named function always
 produce a valid call of an offered function, and splits the model's text into content and OpenAI tool_calls, whole
-or as it streams.
+or as it streams. A call cut short (max_tokens) is neither a call nor content: it is dropped.
 """
 from __future__ import annotations
 
@@ -58,7 +58,10 @@ class ToolFormat:
         either = " | ".join(f"call_{i}" for i in range(len(functions)))
         call = (f"call: {literal(self.open)} {json.dumps(self.pad)} ({either}) {json.dumps(self.pad)} "
                 f"{literal(self.close)}")
-        start = f"start: call ({json.dumps(self.pad)} call)*" if several else "start: call"
+        # After a whole call the model may end its turn, whatever whitespace it writes first (Qwen2.5 writes "\n"
+        # after </tool_call>: a grammar that required a call after every pad made it invent calls to max_tokens).
+        end = f"{json.dumps(self.pad)}?"
+        start = f"start: call ({json.dumps(self.pad)} call)* {end}" if several else f"start: call {end}"
         return "\n".join([start, call, *rules])
 
 
@@ -103,7 +106,8 @@ class ToolCallParser:
     answer streamed and the same answer whole agree, however the text was cut).
 
     A call is a block from the open tag to the close tag (or to the end of the answer) whose inside parse_call
-    accepts; any other block is content, exactly as the model wrote it. Content is the text between calls, without
+    accepts; any other block closed by its tag is content, exactly as the model wrote it, and an unclosed one that
+    is no whole call (a call cut by max_tokens) is dropped. Content is the text between calls, without
     the whitespace around each call; where calls stood between two pieces of content, one `pad` joins them. While
     streaming, text that may still turn out to begin a call (trailing whitespace, a partial open tag) waits for the
     next text, and a call is sent whole once its close tag arrives.
@@ -135,7 +139,9 @@ class ToolCallParser:
                 body, tail = (self.pending, "") if end < 0 else (self.pending[:end], close_tag)
                 self.pending = self.pending[len(body) + len(tail):]
                 call = self.format.parse_call(body)
-                if call is None:
+                if call is None and end < 0:  # the answer ended inside a call (cut by max_tokens): not content
+                    pass
+                elif call is None:
                     self._say(content, self.gap + open_tag + body + tail)
                 else:
                     calls.append(call)

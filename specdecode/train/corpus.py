@@ -169,7 +169,7 @@ def build(out: Path, target_tokens: int, batch: int = 32, max_tokens: int = 256,
             raise ConfigError(f"{out} holds a corpus made with other settings {changed}; use another --out")
     # Throughput, not latency: chunked prefill (a long prompt prefilled a few tokens per step beside the running
     # rows) keeps slots empty while one prompt trickles in; whole prefills keep the batch full.
-    llm = LLM(model, max_num_seqs=batch, threads=threads, enable_chunked_prefill=False)
+    llm = LLM(model, max_num_seqs=batch, threads=threads, enable_chunked_prefill=False, speculative_config=None)
     # Shards the same at any --batch: a prompt's keys and values shared from another request's prefill are the
     # numbers its own prefill computes only with batch-invariant kernels (float weights round by batch shape).
     llm.runner.prefix_caching = llm.target.batch_invariant

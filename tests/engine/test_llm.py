@@ -159,11 +159,31 @@ def test_chat_renders_the_template(llm):
     assert len(llm.chat([conversation, conversation])) == 2
 
 
-def test_default_model(smollm2, tiny_models):
-    """LLM() is SmolLM2-135M-Instruct from the model cache, decoding plainly (vLLM's default); "auto" picks the
-    speculator shipped for a named model (the CLI's default; checked there), and none for a path."""
-    llm = LLM(dtype="float32", max_num_seqs=1)
-    assert llm.model_dir == smollm2 and llm.model_name == "smollm2-135m-instruct" and llm.spec_config is None
+def test_default_model_is_the_coder_pair(monkeypatch):
+    """LLM() is Qwen2.5-Coder-1.5B with its 0.5B drafting (auto): both are fetched together, under one progress bar,
+    before anything loads (the fetch is stopped here: the suite never downloads the pair)."""
+    from specdecode.catalog import registry
+
+    asked = []
+
+    def stop(files, quiet=False):
+        asked.append([model.name for model, _ in files])
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(registry, "fetch_all", stop)
+    with pytest.raises(RuntimeError, match="stop here"):
+        LLM()
+    assert asked == [["qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"]]
+    with pytest.raises(RuntimeError, match="stop here"):
+        LLM(speculative_config=None)  # plain decoding of the default model: its draft is not fetched
+    assert asked[-1] == ["qwen2.5-coder-1.5b-instruct"]
+
+
+def test_smollm2_by_path_decodes_plainly(smollm2, tiny_models):
+    """A path (here SmolLM2's file) decodes plainly unless speculative_config says otherwise; "auto" (the default)
+    picks the speculator shipped for a named model (the CLI's default; checked there), and none for a path."""
+    llm = LLM(smollm2, dtype="float32", max_num_seqs=1)
+    assert llm.model_dir == smollm2 and llm.spec_config is None
     [out] = llm.chat([{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
                      SamplingParams(temperature=0, max_tokens=12))
     assert out.outputs[0].text == "The capital of France is Paris." and out.outputs[0].finish_reason == "stop"

@@ -167,10 +167,11 @@ def write_gguf(path: Path, model: LlamaForCausalLM, tokenizer_json: Path, varian
     return path
 
 
-def kernel_rounded(x: torch.Tensor) -> torch.Tensor:
-    """What the quantized kernels multiply: each block of 32 of a row rounded to int8 steps of d = max|x| / 127
-    (as llama.cpp does), in float32 as the kernels round (x * (1 / d), to nearest even); float64."""
-    blocks = x.float().reshape(-1, x.shape[-1] // 32, 32)
+def kernel_rounded(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """What the quantized kernels multiply: each block of a row (32 values for the 32-value formats, 256 for the
+    K-quants, llama.cpp's Q8_K) rounded to int8 steps of d = max|x| / 127 (as llama.cpp does), in float32 as the
+    kernels round (x * (1 / d), to nearest even); float64."""
+    blocks = x.float().reshape(-1, x.shape[-1] // block, block)
     scale = blocks.abs().amax(-1, keepdim=True) / 127
     inverse = torch.where(scale > 0, 1 / torch.where(scale > 0, scale, 1), 0)
     return (torch.round(blocks * inverse).double() * scale.double()).reshape(x.shape)

@@ -31,11 +31,16 @@ def test_another_instruction_set_gives_the_same_bits(march, isa, tmp_path):
                                build_directory=str(tmp_path), verbose=False)
     assert other.instruction_set() == isa
     rng = np.random.default_rng(0)
-    for fmt in FORMATS:
-        for K in ([256, 1536] if BLOCKS[fmt][0] == 256 else [96, 576, 896]):
-            q = torch.from_numpy(random_blocks(fmt, 45, K, rng))
-            for M in (1, 3, 8, 11):
-                x = torch.randn(M, K)
-                theirs = other.qmatmul(x, q, FORMATS[fmt], True)
-                assert torch.equal(theirs, kernels().qmatmul(x, q, FORMATS[fmt], True)), (fmt, K, M)
-                assert torch.equal(theirs, other.qmatmul(x, q, FORMATS[fmt], False)), (fmt, K, M)
+    try:
+        for k_block in (32, 256):  # the K-quants' activations per 32 (default) and per 256 values
+            other.set_k_activation_block(k_block), kernels().set_k_activation_block(k_block)
+            for fmt in FORMATS:
+                for K in ([256, 1536] if BLOCKS[fmt][0] == 256 else [96, 576, 896]):
+                    q = torch.from_numpy(random_blocks(fmt, 45, K, rng))
+                    for M in (1, 3, 8, 11, 17):
+                        x = torch.randn(M, K)
+                        theirs = other.qmatmul(x, q, FORMATS[fmt], True)
+                        assert torch.equal(theirs, kernels().qmatmul(x, q, FORMATS[fmt], True)), (fmt, K, M, k_block)
+                        assert torch.equal(theirs, other.qmatmul(x, q, FORMATS[fmt], False)), (fmt, K, M, k_block)
+    finally:
+        kernels().set_k_activation_block(32)

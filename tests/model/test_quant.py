@@ -36,9 +36,17 @@ def weights(fmt: str, rows: int, in_features: int, seed: int) -> torch.Tensor:
     return torch.from_numpy(random_blocks(fmt, rows, in_features, np.random.default_rng(seed)))
 
 
+@pytest.fixture(params=[32, 256], ids=["act32", "act256"])
+def k_block(request):
+    """Runs a test with the K-quants' activations rounded per 32 values (the default) and per 256 (llama.cpp's Q8_K)."""
+    kernels().set_k_activation_block(request.param)
+    yield request.param
+    kernels().set_k_activation_block(32)
+
+
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 @pytest.mark.parametrize("simd", [True, False])
-def test_matmul_equals_the_gguf_reference(fmt, simd):
+def test_matmul_equals_the_gguf_reference(fmt, simd, k_block):
     """Every format, every row length tested: the product equals the int8-rounded activations times gguf's
     dequantised weights to float32 rounding (3e-5 of the largest output), and the lookup of rows equals
     gguf's dequantization bit for bit."""
@@ -53,7 +61,7 @@ def test_matmul_equals_the_gguf_reference(fmt, simd):
         x = torch.randn(11, K)
         out = kernels().qmatmul(x, q, FORMATS[fmt], simd)
         assert out.dtype == torch.float32 and out.shape == (11, 37)
-        expected = kernel_rounded(x) @ reference.T
+        expected = kernel_rounded(x, k_block if values == 256 else 32) @ reference.T
         # float32 sums of up to 1,536 products: the worst over 30 random inputs per format was 1.1e-5 of the
         # largest output; one wrong block moves it by ~1e-2
         torch.testing.assert_close(out.double(), expected, rtol=0, atol=3e-5 * expected.abs().max().item())
@@ -71,14 +79,31 @@ def test_quantize_decodes_as_meant(fmt):
                        gguf_reference(quantize(weight, fmt), fmt, 96))
 
 
+def vector_widths() -> list[int]:
+    """The vector widths this build's products can use (a 512-bit build also runs its 256-bit kernels)."""
+    return [512, 256] if kernels().vector_bits() == 512 else [kernels().vector_bits()]
+
+
+@pytest.fixture(params=[512, 256], ids=["512-bit", "256-bit"])
+def width(request):
+    """Runs a test with the products on vectors of each width this build has (the other is skipped)."""
+    if request.param not in vector_widths():
+        pytest.skip(f"this build has no {request.param}-bit products")
+    saved = kernels().vector_bits()
+    kernels().set_vector_bits(request.param)
+    yield request.param
+    kernels().set_vector_bits(saved)
+
+
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
-def test_a_rows_result_does_not_depend_on_the_other_rows(fmt):
+def test_a_rows_result_does_not_depend_on_the_other_rows(fmt, width, k_block):
     """Bitwise: row i of a product over M rows equals the product of row i alone, for every M from 1 to 40 (tiles
-    of 1 to 8 rows and every remainder), with one or two threads splitting the outputs, among rows of other sizes;
-    and it equals the scalar reference bit for bit (the float steps are the same fixed ones on every path)."""
+    of 1 to 16 rows and every remainder), with one or two threads splitting the outputs, among rows of other sizes;
+    and it equals the scalar reference bit for bit (the float steps are the same fixed ones on every path), with
+    vectors of every width the build has."""
     torch.manual_seed(1)
     K = 19 * 32 if BLOCKS[fmt][0] == 32 else 3 * 256  # (32-blocks: two whole groups of 8 blocks and a partial one)
-    q = weights(fmt, 301, K, seed=1)
+    q = weights(fmt, 301, K, seed=1)  # (301 rows: 18 whole groups of 16 and 13 rows of a last one)
     x = torch.randn(40, K)
     alone = torch.cat([kernels().qmatmul(x[i:i + 1], q, FORMATS[fmt], True) for i in range(40)])
     assert torch.equal(alone, kernels().qmatmul(x, q, FORMATS[fmt], False))
@@ -96,7 +121,7 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(fmt):
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
-def test_every_row_length(fmt):
+def test_every_row_length(fmt, width, k_block):
     """Rows of whole groups, a partial group, or both: the kernels equal the scalar reference bitwise."""
     values = BLOCKS[fmt][0]
     for blocks in ROW_LENGTHS[values]:
@@ -230,3 +255,20 @@ def test_without_the_kernels_auto_falls_back_to_float_weights(tiny_gguf, monkeyp
     assert "could not be built (RuntimeError: Ninja is required" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="install a C\\+\\+ compiler .* or load the model without quantization"):
         load_model(path, dtype="float32", quantization="gguf")
+
+
+def test_q4_0_quantizer_writes_gguf_bytes():
+    """The kernels' Q4_0 quantizer (a draft's requantization at load) writes gguf's bytes exactly: random rows, a
+    zero block, a block whose largest magnitude is negative, ties between magnitudes, values at the rounding edges."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize as gguf_quantize
+
+    torch.manual_seed(0)
+    weight = torch.randn(37, 96) * torch.logspace(-3, 1, 37)[:, None]
+    weight[0, :32] = 0  # d = 0
+    weight[1, :32] = torch.linspace(-4, 3, 32)  # the largest magnitude is negative
+    weight[2, :32] = torch.tensor([1.0, -1.0] * 16)  # ties: the first one sets the sign
+    weight[3, :32] = torch.arange(32) / 31 * 8 - 8  # multiples of the step: x / d + 8.5 lands on .5 edges
+    expected = gguf_quantize(weight.numpy(), GGMLQuantizationType.Q4_0)
+    assert torch.equal(kernels().quantize_q4_0(weight), torch.from_numpy(np.ascontiguousarray(expected)))
+    assert torch.equal(quantize(weight, "q4_0"), kernels().quantize_q4_0(weight))

@@ -9,6 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from specdecode.engine.metrics import EngineMetrics
@@ -120,3 +121,33 @@ def test_every_metric_is_documented():
     exposed = {f.name + ("_total" if f.type == "counter" else "") for f in metrics.registry.collect()}
     assert exposed - documented == set(), "document these in docs/metrics.md"
     assert documented - exposed == set(), "docs/metrics.md names metrics that do not exist"
+
+
+@pytest.mark.parametrize("positions, width", [(9, 420), (17, 420), (6, 300), (33, 700)])
+def test_position_labels_never_overlap(positions, width):
+    """The "acceptance per draft position" chart's labels, drawn by the page's own script (under node, with a
+    canvas that records them): no two labels on one line overlap, whatever K (the pair drafts up to 8: its
+    "pos i: a%" labels ran into each other), and position 0 is always labelled."""
+    import json
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    import specdecode.server
+
+    node = shutil.which("node") or shutil.which("nodejs")
+    if node is None:
+        pytest.skip("node is not installed")
+    script = Path(specdecode.server.__file__).parent / "static" / "dashboard.js"
+    run = subprocess.run([node, str(Path(__file__).with_name("dashboard_labels.js")), str(script), str(positions),
+                          str(width)], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    texts = [t for t in json.loads(run.stdout) if t["align"] == "center"]
+    assert any(t["text"] == "0" for t in texts)
+    rows: dict[float, list] = {}
+    for t in texts:
+        half = 6.2 * len(t["text"]) / 2
+        rows.setdefault(t["y"], []).append((t["x"] - half, t["x"] + half))
+    for spans in rows.values():
+        spans.sort()
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans

@@ -63,9 +63,9 @@ def prometheus_program() -> str:
 
 @pytest.fixture(scope="module")
 def served(smollm2):
-    """`specdecode serve` on the default model (SmolLM2) with its default method (prompt lookup), sized small, and
+    """`specdecode serve` on SmolLM2 with its default method (prompt lookup), sized small, and
     drafting a fixed 3 tokens: on a busy machine the adaptive controller may draft nothing, leaving nothing to check."""
-    proc, url = start_server(["--max-num-seqs", str(SLOTS), "--max-model-len", "1024", "--num-speculative-tokens",
+    proc, url = start_server(["--model", "smollm2-135m-instruct", "--max-num-seqs", str(SLOTS), "--max-model-len", "1024", "--num-speculative-tokens",
                               str(DRAFT_TOKENS), "--no-adaptive"], timeout=300)
     try:
         yield SimpleNamespace(url=url, port=int(url.rsplit(":", 1)[1]))

@@ -275,14 +275,16 @@ def test_cli_flags_name_the_speculator(one_layer, monkeypatch):
     args = parser.parse_args(["--speculative-model", head, "--num-speculative-tokens", "3"])  # the kind is read
     assert speculative_config(args) == {"method": "eagle", "model": head, "num_speculative_tokens": 3}
     # A named model with shipped heads: the method alone picks them (resolving the model itself is not tested here).
-    monkeypatch.setitem(registry.SHIPPED_SPECULATORS, registry.DEFAULT_MODEL, {"eagle": "smollm2/eagle"})
+    small = ["--model", registry.SMALL_MODEL]
+    monkeypatch.setitem(registry.SHIPPED_SPECULATORS, registry.SMALL_MODEL, {"eagle": "smollm2/eagle"})
     monkeypatch.setattr("specdecode.cli.model_flags.resolve_model", lambda model: "target")
-    _, config, _ = resolve_models(parser.parse_args(["--speculative-method", "eagle"]))
+    monkeypatch.setattr("specdecode.cli.model_flags.prefetch", lambda model, config: None)
+    _, config, _ = resolve_models(parser.parse_args([*small, "--speculative-method", "eagle"]))
     assert config == {"method": "eagle", "model": str(Path(registry.__file__).parent / "smollm2" / "eagle")}
-    _, config, _ = resolve_models(parser.parse_args(["--speculative-method", "medusa"]))
+    _, config, _ = resolve_models(parser.parse_args([*small, "--speculative-method", "medusa"]))
     assert config == {"method": "medusa"}  # none shipped: building the proposer asks for --speculative-model
     with pytest.raises(ConfigError, match="needs --speculative-model"):  # no draft shipped: said at once
-        resolve_models(parser.parse_args(["--speculative-method", "draft_model"]))
-    monkeypatch.setitem(registry.SHIPPED_SPECULATORS, registry.DEFAULT_MODEL, {"draft_model": "smollm2/draft"})
-    _, config, _ = resolve_models(parser.parse_args(["--speculative-method", "draft_model"]))
+        resolve_models(parser.parse_args([*small, "--speculative-method", "draft_model"]))
+    monkeypatch.setitem(registry.SHIPPED_SPECULATORS, registry.SMALL_MODEL, {"draft_model": "smollm2/draft"})
+    _, config, _ = resolve_models(parser.parse_args([*small, "--speculative-method", "draft_model"]))
     assert config == {"method": "draft_model", "model": str(Path(registry.__file__).parent / "smollm2" / "draft")}

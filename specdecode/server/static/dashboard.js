@@ -211,6 +211,13 @@ function lineChart(canvas, series, opts) {
   legend(g, series.map((s) => ({ ...s, digits: s.digits === undefined ? opts.digits || 0 : s.digits })));
 }
 
+// Label every n-th of `count` slots `slot` pixels wide so that labels `width` pixels wide never overlap.
+function labelStride(count, slot, width) {
+  let every = 1;
+  while (every < count && every * slot < width) every += 1;
+  return every;
+}
+
 function positionChart(canvas) {
   const g = setup(canvas);
   const { ctx } = g;
@@ -233,9 +240,22 @@ function positionChart(canvas) {
       ctx.strokeStyle = "#1d2330";
       ctx.strokeRect(x, g.bottom - h(total[i]), w, h(total[i]));
     }
-    ctx.fillStyle = "#667085";
-    ctx.fillText(`pos ${i}: ${fmt(recent[i] === null ? null : 100 * recent[i], 0)}%`, x + w / 2, g.h - 4);
   }
+  // Under the bars, the position numbers: every one that fits without touching its neighbour (with K = 8 and more
+  // positions, "pos i: a%" labels ran into each other); the window's percentages above the bars where they fit.
+  ctx.fillStyle = "#667085";
+  const every = labelStride(total.length, slot, ctx.measureText(String(total.length - 1)).width + 6);
+  for (let i = 0; i < total.length; i += every) ctx.fillText(String(i), g.left + (i + 0.5) * slot, g.h - 4);
+  const widest = ctx.measureText("100%").width + 4;
+  if (widest <= slot) {
+    for (let i = 0; i < total.length; i++) {
+      if (recent[i] === null || recent[i] === undefined) continue;
+      const top = g.bottom - (recent[i] || 0) * (g.bottom - g.top);
+      ctx.fillText(`${fmt(100 * recent[i], 0)}%`, g.left + (i + 0.5) * slot, Math.max(g.top + 10, top - 3));
+    }
+  }
+  ctx.textAlign = "left";
+  ctx.fillText("draft position", g.left, 11);
   if (!total.length) {
     ctx.fillStyle = "#667085";
     ctx.fillText("no drafts yet", (g.left + g.right) / 2, (g.top + g.bottom) / 2);
