@@ -21,7 +21,10 @@ def test_the_kernels_build_here():
 
 @pytest.fixture
 def broken_build(monkeypatch, tmp_path):
-    """quant() building afresh into an empty folder, with a compiler that fails as a bad C++ edit would."""
+    """quant() building afresh into an empty folder, with a compiler that fails as a bad C++ edit would (a fresh
+    cache of quant for the test; the process's own, holding the real build, comes back after it)."""
+    import functools
+
     from torch.utils import cpp_extension
 
     def fail(**kwargs):
@@ -30,9 +33,7 @@ def broken_build(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECDECODE_KERNELS_DIR", str(tmp_path))
     monkeypatch.setattr(cpp_extension, "load", fail)
     monkeypatch.setattr(compiled, "_failure", None)
-    compiled.quant.cache_clear()
-    yield
-    compiled.quant.cache_clear()  # (the next call loads the real build again)
+    monkeypatch.setattr(compiled, "quant", functools.cache(compiled.quant.__wrapped__))
 
 
 def test_a_failed_build_names_the_compiler_error(broken_build, monkeypatch):
