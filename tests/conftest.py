@@ -77,6 +77,14 @@ def tiny_models(tmp_path_factory):
     return {name: root / name for name in ("target", "draft", "other_draft", "tok")}
 
 
+@pytest.fixture
+def built_kernels():
+    """The compiled kernels (tests/compiled.py: a build that fails fails the test, naming the error)."""
+    from tests.compiled import kernels_or_skip
+
+    return kernels_or_skip()
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """The GGUF of SmolLM2-135M-Instruct, fetched once per run through the project's own pull code into

@@ -108,13 +108,12 @@ def test_plan_counts_a_gguf_as_its_blocks(tiny_models, tmp_path, capsys):
     """A GGUF is planned as the engine runs it on a CPU (its matrices kept as shipped): the target's weights are
     about the file's bytes, not the dequantised float32 model's (3.5x more for Q4_K); `plan` resolves
     --quantization as the engine does."""
-    from specdecode.model.quant import kernels
+    from tests.compiled import kernels_or_skip
     from specdecode.model.tokenizer import Tokenizer
 
     from tests.model.gguf_files import tiny_model, write_gguf
 
-    if kernels() is None:
-        pytest.skip("the quantized kernels cannot be compiled here")
+    kernels_or_skip()
     vocab = Tokenizer(tiny_models["target"]).vocab_size
     path = write_gguf(tmp_path / "tiny-q4k.gguf", tiny_model("qwen2", vocab), tiny_models["tok"] / "tokenizer.json",
                       "qwen2", "Q4_K")

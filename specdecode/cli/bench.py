@@ -244,6 +244,10 @@ def register_soak(sub) -> None:
     p.add_argument("--speculative-method", default=None, help="the server's --speculative-method")
     p.add_argument("--speculative-model", default=None, help="the server's --speculative-model")
     p.add_argument("--max-num-seqs", type=MAX_NUM_SEQS, default=32, help="the server's --max-num-seqs")
+    p.add_argument("--max-model-len", type=int_range(2), default=512,
+                   help="the server's and the offline reference's --max-model-len (default 512)")
+    p.add_argument("--num-kv-blocks", type=int_range(1), default=None,
+                   help="the server's --num-kv-blocks (default: its plan's): a pool too small for the load preempts")
     p.add_argument("--seed", type=SEED, default=0)
     p.add_argument("--json", default=None, help="write the report here")
     p.set_defaults(func=_run("specdecode.bench.soak", "cmd_soak"))

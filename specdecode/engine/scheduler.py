@@ -183,8 +183,9 @@ class Scheduler:
                 if not chunked and new_longest > longest:  # the rows already joining take more, padded wider
                     need += sum(runner.admission_blocks(s, [], s.prefilled + new_longest)
                                 - runner.admission_blocks(s, [], s.prefilled + longest) for s in joining)
-                if need + promised > runner.cache.pool.available:
-                    break  # not enough blocks yet: it waits for others to finish
+                if need + promised > runner.cache.pool.available and (joining or self.running or self.prefilling):
+                    break  # not enough blocks yet: it waits for others to finish (alone, it always fits: the plan
+                    # sizes the pool for one sequence of max_model_len, and its steps draft no further than that)
                 promised += need
             self.waiting.popleft()
             runner.take(seq, slot, reused, blocks)
@@ -215,16 +216,21 @@ class Scheduler:
 
     def _make_room(self, active: list[Sequence]) -> tuple[list[Sequence], list[int]]:
         """The step's sequences and budgets after preempting, most recently admitted first (prefilling ones before
-        running ones), until the step's blocks fit the pool (one sequence alone always fits: the plan sizes the
-        pool for one of max_model_len)."""
+        running ones, and running ones left out of the step before those in it: a sequence retried alone after its
+        batch failed is not blamed for the blocks the others hold), until the step's blocks fit the pool (one
+        sequence alone always fits: the plan sizes the pool for one of max_model_len)."""
         budgets = self.budget.for_step(active)
         while self.runner.shortfall(active, budgets) > 0:
             if self.prefilling:
                 self._preempt(self.prefilling[-1])
                 continue
+            idle = [s for s in self.running if s not in active and not s.finished]  # beside a suspect retried alone
+            if idle:
+                self._preempt(idle[-1])
+                continue
             if len(active) == 1:
                 break
-            victim = max(active, key=self.running.index)
+            victim = next(s for s in reversed(self.running) if s in active)  # the most recently admitted
             self._preempt(victim)
             active = [s for s in active if s is not victim]
             budgets = self.budget.for_step(active)
@@ -246,10 +252,9 @@ class Scheduler:
             if not self.isolate_failures:
                 raise exc
             return [(seq, exc) for seq in seqs]
-        if prefill:  # give the slots back and prefill them again, one at a time
+        if prefill:  # give the rows and their blocks back and prefill them again, one at a time
             for seq in reversed(seqs):
-                self.pool.give_back(seq.slot, None)
-                seq.slot = -1
+                self.runner.free_row(seq, reusable=False)
                 self.waiting.appendleft(seq)
             self.prefill_alone = len(seqs)
         else:

@@ -239,7 +239,7 @@ class StepRunner:
         return [deltas[id(seq)] for seq in everyone]
 
     def _shared_prompts(self, seqs: list[Sequence]) -> tuple[list[Sequence], dict[int, list[Sequence]]]:
-        """The sequences whose prompts this prefill must run, and {index among them: the other sequences with the
+        """The sequences whose prompts this prefill must run, and {position among them: the other sequences with the
         same prompt and start}, which take a copy of its cache rows instead of running it again. Only with the
         plain KV cache and a proposer that reads no target features (those would need each copy's hidden
         states too)."""
@@ -346,8 +346,8 @@ class StepRunner:
             return tree
         if not keep:
             return DraftTree.empty()
-        index = {old: new for new, old in enumerate(keep)}
-        parents = [index[tree.parents[i]] if tree.parents[i] >= 0 else -1 for i in keep]
+        renumbered = {old: new for new, old in enumerate(keep)}
+        parents = [renumbered[tree.parents[i]] if tree.parents[i] >= 0 else -1 for i in keep]
         probs = tree.draft_probs[keep] if tree.draft_probs is not None else None
         return DraftTree(tokens=tree.tokens[keep], parents=tuple(parents), draft_probs=probs)
 

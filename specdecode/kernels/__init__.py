@@ -2,10 +2,11 @@
 
 `quant()` returns the compiled module of quant.cpp (matrix products with block-quantized weights) and layer.cpp
 (a whole decoder layer per call), or None where it cannot be built (no C++ compiler, no ninja, a failed build):
-callers then keep dequantized weights, which is correct and slower. The build lands in the cache
-(~/.cache/specdecode/kernels, $SPECDECODE_CACHE/kernels, or $SPECDECODE_KERNELS_DIR), keyed by the sources, the torch and Python versions and
-this CPU's instruction sets, so it happens once per machine (60-80 s on a 2-core AMD EPYC) and later processes load
-it in milliseconds.
+callers then keep dequantized weights, which is correct and slower, and `failure()` says why, naming the compiler's
+first errors (the test suite fails with it: tests/compiled.py). The build lands in the cache
+(~/.cache/specdecode/kernels, $SPECDECODE_CACHE/kernels, or $SPECDECODE_KERNELS_DIR), keyed by the sources, the
+torch and Python versions and this CPU's instruction sets, so it happens once per machine (60-80 s on a 2-core AMD
+EPYC) and later processes load it in milliseconds.
 """
 from __future__ import annotations
 
@@ -88,11 +89,18 @@ def quant():
         return cpp_extension.load(name=name, sources=sources, extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], build_directory=str(folder),
                                   verbose=False)
     except (OSError, RuntimeError, ImportError, SystemExit) as error:  # no compiler, no ninja, a failed build
-        lines = str(error).strip().splitlines()
-        _failure = f"{type(error).__name__}: {lines[-1] if lines else 'no message'}"
+        _failure = describe(error)
         return None
     finally:
         os.environ["PATH"] = saved_path
+
+
+def describe(error: BaseException) -> str:
+    """One line for a failed build: the compiler's first errors (a build's message is the whole of ninja's output,
+    whose last line says only that it stopped), else the message's last line."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    errors = [line for line in lines if "error:" in line or "Error:" in line][:3]
+    return f"{type(error).__name__}: {' | '.join(errors or lines[-1:]) or 'no message'}"
 
 
 def failure() -> str | None:

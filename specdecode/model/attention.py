@@ -108,8 +108,8 @@ class CacheContext:
         if tree_mask is None:
             fresh_visible = rel[:, None, :] <= pending + new[None, :, None]  # [B, T, L]: causal
         else:
-            index = rel.clamp(0, fresh - 1)[:, None, :].expand(batch, new_tokens, self.context_len)
-            fresh_visible = torch.gather(tree_mask.to(device), 2, index)  # [B, T, L]
+            node = rel.clamp(0, fresh - 1)[:, None, :].expand(batch, new_tokens, self.context_len)
+            fresh_visible = torch.gather(tree_mask.to(device), 2, node)  # [B, T, L]
         self.mask = ((rel < 0)[:, None, :] | (is_fresh[:, None, :] & fresh_visible))[:, None]  # [B, 1, T, L]
         if self.small_step:
             self.blocked, self.window = ~self.mask[:, :, None], self.context_len

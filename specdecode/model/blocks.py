@@ -85,8 +85,11 @@ class BlockPool:
 
     def index(self, block: int, parent: int, tokens: tuple[int, ...]) -> int:
         """Index a full block's content (its tokens after the content `parent`); returns the content's id. If
-        another block already holds that content, it stays the indexed one (this block is left as it is)."""
+        another block already holds that content, it stays the indexed one (this block is left as it is). A block
+        indexed before under another key holds other content now: that key is dropped."""
         key = (parent, tokens)
+        if self.key_of.get(block, key) != key:
+            self.unindex(block)
         holder = self.by_key.get(key)
         if holder is None:
             holder = block

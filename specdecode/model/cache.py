@@ -82,7 +82,8 @@ class KVCache:
     # -- blocks -----------------------------------------------------------------------------------------------
 
     def _missing(self, slot: int, end: int) -> tuple[list[int], list[int]]:
-        """Block indices of the row that positions [length, end) need allocated: (absent, shared: copy on write)."""
+        """Columns of the row's block table that positions [length, end) need allocated: (absent, shared: copy on
+        write)."""
         bs, pool = self.block_size, self.pool
         first = int(self.lengths[slot]) // bs
         absent, shared = [], []
@@ -108,8 +109,8 @@ class KVCache:
         tables = self.tables[slots]  # [B, W]
         first = (self.lengths[slots] // bs)[:, None]  # [B, 1]
         last = ((torch.tensor(ends).clamp(max=self.max_len) + bs - 1) // bs)[:, None]  # [B, 1] (exclusive)
-        index = torch.arange(tables.shape[1])[None, :]
-        in_range = (index >= first) & (index < last)  # [B, W] the blocks the rows write into
+        column = torch.arange(tables.shape[1])[None, :]  # [1, W]
+        in_range = (column >= first) & (column < last)  # [B, W] the blocks the rows write into
         refs = torch.from_numpy(self.pool.refs)[tables.clamp(min=0)]  # [B, W]
         return int((in_range & ((tables < 0) | (refs > 1))).sum())
 
@@ -294,7 +295,8 @@ class KVCache:
     def copy_slot(self, source: int, targets: list[int], length: int) -> None:
         """Give each target row the source row's first `length` positions and that committed length (the
         prompt's prefill shared by several requests, e.g. the choices of one request with n > 1): paged, its
-        full blocks shared and its last partial block copied."""
+        full blocks shared and its last partial block copied. Raises CacheFull (changing nothing) when the pool
+        cannot give every target that copy."""
         if self.pool is None:
             rows = torch.tensor(targets, device=self.k[0].device)
             for k, v in zip(self.k, self.v):
@@ -304,6 +306,12 @@ class KVCache:
             return
         full, partial = divmod(length, self.block_size)
         shared = self.tables[source, :full].tolist()
+        # the blocks only the targets name come back when they are released below
+        held = collections.Counter(b for t in targets for b in self.tables[t].tolist() if b >= 0)
+        freed = sum(1 for b, n in held.items() if self.pool.refs[b] == n)
+        if partial and len(targets) > self.pool.available + freed:
+            raise CacheFull(f"copying a prompt's last block into {len(targets)} rows needs {len(targets)} KV-cache "
+                            f"blocks; {self.pool.available} of {self.pool.num_blocks} are free")
         for target in targets:
             self.release(target)
             for i, block in enumerate(shared):

@@ -9,7 +9,6 @@ import torch
 
 from specdecode.engine.llm import LLM
 from specdecode.errors import ConfigError
-from specdecode.model.quant import kernels
 from specdecode.sampling import SamplingParams, choice_seed
 
 SYSTEM = "You are a careful assistant. Answer in one line.\n" * 6
@@ -17,10 +16,7 @@ QUESTIONS = ["def add(a, b):", "class Point:", "import os", "for i in range(3):"
              "print('hi')", "return None"]
 
 
-@pytest.fixture(autouse=True)
-def quantized_kernels():
-    if kernels() is None:
-        pytest.skip("the quantized kernels cannot be compiled here")
+pytestmark = pytest.mark.usefixtures("built_kernels")
 
 
 def engine(tiny_models, spec=None, **kwargs) -> LLM:

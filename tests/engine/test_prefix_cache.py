@@ -6,9 +6,9 @@ import pytest
 from specdecode.engine.llm import LLM
 from specdecode.engine.prefix_cache import SlotPool
 from specdecode.model.cache import common_prefix
-from specdecode.model.quant import kernels
 from specdecode.sampling import SamplingParams
 
+from tests.compiled import kernels_or_skip
 from tests.speculation.test_eagle import one_layer  # noqa: F401  (a fixture: a target and an EAGLE head that fits)
 
 SYSTEM = "def helper(x):\n    return x * 2\n\n" * 6
@@ -65,8 +65,8 @@ QUANTIZATIONS = ["none", "q4_1"]
 @pytest.mark.parametrize("quantization", QUANTIZATIONS)
 @pytest.mark.parametrize("method", ["plain", "draft_model", "ngram"])
 def test_outputs_are_the_same_with_prefix_caching_on_and_off(tiny_models, method, quantization):
-    if quantization != "none" and kernels() is None:
-        pytest.skip("the quantized kernels cannot be compiled here")
+    if quantization != "none":
+        kernels_or_skip()
     config = {"plain": None, "ngram": {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False},
               "draft_model": {"model": str(tiny_models["draft"]), "num_speculative_tokens": 3, "adaptive": False}}
     results = {}
@@ -143,8 +143,8 @@ def small_chunks(monkeypatch):
 @pytest.mark.parametrize("quantization", QUANTIZATIONS)
 @pytest.mark.parametrize("method", ["plain", "draft_model"])
 def test_chunked_prefill_changes_no_output(tiny_models, small_chunks, method, quantization):
-    if quantization != "none" and kernels() is None:
-        pytest.skip("the quantized kernels cannot be compiled here")
+    if quantization != "none":
+        kernels_or_skip()
     config = None if method == "plain" else {"model": str(tiny_models["draft"]), "num_speculative_tokens": 3,
                                              "adaptive": False}
     results = {}

@@ -14,14 +14,14 @@ from torch import nn
 from specdecode.engine.llm import LLM
 from specdecode.model.loading import load_model
 from specdecode.model import quant
-from specdecode.model.quant import BLOCKS, QuantEmbedding, QuantLinear, kernels, quantized_format
+from specdecode.model.quant import BLOCKS, QuantEmbedding, QuantLinear, quantized_format
 from specdecode.model.tokenizer import Tokenizer
 from specdecode.sampling import SamplingParams
 
 from .gguf_files import tiny_model, write_gguf
 
 gguf = pytest.importorskip("gguf")
-pytestmark = pytest.mark.skipif(kernels() is None, reason="the quantized kernels cannot be compiled here")
+pytestmark = pytest.mark.usefixtures("built_kernels")
 
 KEPT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 Q4_K_M = {"attn_v.weight": "Q6_K", "ffn_down.weight": "Q6_K", "output.weight": "Q6_K"}

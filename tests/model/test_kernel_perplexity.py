@@ -8,12 +8,12 @@ from torch import nn
 
 from specdecode.bench import perplexity
 from specdecode.model.loading import load_model
-from specdecode.model.quant import QuantLinear, kernels
+from specdecode.model.quant import QuantLinear
 from specdecode.model.tokenizer import Tokenizer
 
 from .gguf_files import tiny_model, write_gguf
 
-pytestmark = pytest.mark.skipif(kernels() is None, reason="the quantized kernels cannot be compiled here")
+pytestmark = pytest.mark.usefixtures("built_kernels")
 
 
 @pytest.fixture(scope="module")

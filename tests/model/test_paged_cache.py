@@ -6,8 +6,9 @@ import torch
 
 from specdecode.model.blocks import CacheFull
 from specdecode.model.cache import KVCache
-from specdecode.model.quant import kernels, quantize_linears
+from specdecode.model.quant import quantize_linears
 
+from tests.compiled import kernels_or_skip
 from tests.model.test_linear import tiny_model
 
 
@@ -15,8 +16,7 @@ def model(quantized: bool):
     m = tiny_model(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2)
     if quantized:
-        if kernels() is None:
-            pytest.skip("the quantized kernels cannot be compiled here")
+        kernels_or_skip()
         quantize_linears(m, "q8_0")
         assert m.fused_layers(m.make_cache(1, 8)) is not None
     return m
@@ -82,6 +82,8 @@ def test_blocks_follow_the_tokens_and_shared_blocks_are_copied_before_a_write():
         assert cache.blocks_needed_many([0, 1], ends) == sum(map(cache.blocks_needed, [0, 1], ends))
     # row 1 rolls back into a shared block and writes there: it gets a private copy, row 0 is untouched
     cache.rollback(torch.tensor([1]), 6)
+    # the vectorized count sees the copy on write too (row 1's [6, 8) is in the block row 0 reads)
+    assert cache.blocks_needed_many([0, 1], [12, 8]) == cache.blocks_needed(0, 12) + cache.blocks_needed(1, 8) == 1
     before = [k[blocks[1]].clone() for k in cache.k]
     with torch.inference_mode():
         m(torch.tensor([[60, 61]]), cache=cache, slots=torch.tensor([1]))
@@ -149,3 +151,105 @@ def test_a_16_bit_cache_runs_the_fused_kernels_and_stays_batch_and_placement_inv
     with torch.inference_mode():
         logits = m(torch.tensor([prompts[2]]), cache=alone).logits
     assert torch.equal(logits, slots[0])
+
+
+def test_an_adopted_cached_block_is_never_evicted_while_referenced():
+    """A cached (unreferenced, indexed) block taken back by a prompt that begins the same way is referenced again:
+    a pool under pressure evicts other cached blocks and refuses before handing that one out."""
+    cache = KVCache(1, 3, 1, 32, 4, block_size=4, num_blocks=4)
+    cache.reserve([0], [12])
+    cache.lengths[0] = 12
+    cache.index(0, list(range(12)))
+    blocks = cache.tables[0, :3].tolist()
+    cache.release(0)
+    assert len(cache.pool.cached) == 3 and cache.pool.available == 4
+    assert cache.adopt(1, cache.match(list(range(12)) + [99], 12)) == 12  # all three back, referenced
+    assert cache.pool.available == 1 and not cache.pool.cached
+    with pytest.raises(CacheFull):
+        cache.reserve([2], [8])  # two blocks, one free: nothing adopted may be evicted for it
+    cache.reserve([2], [4])
+    assert cache.tables[2, 0] not in blocks and cache.tables[1, :3].tolist() == blocks
+    assert cache.leak() is None and cache.pool.evictions == 0
+    cache.release(2)
+    cache.rollback(torch.tensor([1]), 8)
+    cache.reserve([1], [12])  # row 1 rewrites its last block (indexed, no one else's): unindexed, written in place
+    assert cache.tables[1, 2] == blocks[2] and cache.match(list(range(12)), 12) == blocks[:2]
+    cache.reserve([0], [4])
+    assert cache.tables[0, 0] not in blocks and cache.leak() is None
+    cache.release(1)
+    cache.release(0)
+    assert cache.pool.used == 0 and cache.leak() is None
+
+
+def test_a_block_indexed_again_under_another_key_keeps_only_the_new_one():
+    cache = KVCache(1, 1, 1, 32, 4, block_size=4, num_blocks=2)
+    cache.reserve([0], [4])
+    block = int(cache.tables[0, 0])
+    first = cache.pool.index(block, 0, (1, 2, 3, 4))
+    second = cache.pool.index(block, 0, (5, 6, 7, 8))  # its content was rewritten
+    assert second != first and cache.pool.lookup(0, (1, 2, 3, 4)) is None
+    assert cache.pool.lookup(0, (5, 6, 7, 8)) == block and cache.pool.key_of[block] == (0, (5, 6, 7, 8))
+    assert cache.pool.index(block, 0, (5, 6, 7, 8)) == second  # the same key again: the same id
+    cache.release(0)
+    assert list(cache.pool.cached) == [block] and cache.leak() is None
+
+
+def test_a_fork_into_a_short_pool_refuses_before_changing_anything():
+    cache = KVCache(1, 3, 1, 32, 4, block_size=4, num_blocks=4)
+    cache.reserve([0], [10])  # two full blocks and a partial one
+    cache.lengths[0] = 10
+    cache.reserve([1], [4])  # the last free block, held by a target that is about to be given the fork
+    tables, refs = cache.tables.clone(), cache.pool.refs.copy()
+    with pytest.raises(CacheFull):
+        cache.copy_slot(0, [1, 2], 10)  # two partial copies, one block (row 1's own) to make them from
+    assert torch.equal(cache.tables, tables) and (cache.pool.refs == refs).all()
+    assert cache.lengths.tolist() == [10, 0, 0] and cache.leak() is None
+    cache.copy_slot(0, [1], 10)  # one copy: row 1's block comes back and is taken again
+    assert cache.tables[1, :2].tolist() == cache.tables[0, :2].tolist() and cache.lengths.tolist() == [10, 10, 0]
+    assert cache.pool.available == 0 and cache.leak() is None
+
+
+@pytest.mark.parametrize("block_size", [4, None])
+def test_commit_moves_each_kept_position_to_its_place_in_keys_and_values(block_size):
+    """A tree's kept nodes (not a prefix of what was written) end at consecutive positions after the row's length,
+    keys and values alike, in either layout; the positions before are untouched."""
+    cache = KVCache(2, 2, 1, 16, 2, block_size=block_size, num_blocks=10)
+    with torch.inference_mode():
+        cache.reserve([0, 1], [9, 9])
+        cache.lengths[:] = torch.tensor([3, 2])
+        rows, positions = torch.tensor([0, 1]), torch.arange(9)[None].expand(2, 9)
+        blocks, offsets = cache.address(rows, positions)
+        for layer in range(2):  # position p of row r holds the number 100 r + p (+ 0.5 in values, + layer)
+            k = (100 * rows[:, None, None, None] + positions[:, None, :, None] + layer).float().expand(2, 1, 9, 2)
+            cache.write(layer, blocks, offsets, k, k + 0.5)
+        # row 0 keeps fresh offsets 0, 2, 3 (positions 3, 5, 6); row 1 keeps 0 and 4 (positions 2, 6)
+        cache.commit(rows, torch.tensor([[0, 2, 3], [0, 4, 0]]), torch.tensor([3, 2]))
+    assert cache.lengths.tolist() == [6, 4]
+    for layer in range(2):
+        for row, want in ((0, [0, 1, 2, 3, 5, 6]), (1, [0, 1, 2, 6])):
+            keys, values = cache.row(layer, row, len(want))  # [1, 2, n], [1, n, 2]
+            expected = torch.tensor(want, dtype=torch.float32) + 100 * row + layer
+            assert torch.equal(keys[0, 0], expected) and torch.equal(values[0, :, 0], expected + 0.5), (layer, row)
+    assert cache.leak() is None
+
+
+def test_rolling_back_into_an_indexed_block_drops_its_place_in_the_chain():
+    """A row cut back inside a block it had indexed, and written differently from there, indexes the new content
+    of that block and chains the next ones to it: no later prompt matches the old tokens through the new block."""
+    cache = KVCache(1, 2, 1, 32, 4, block_size=4, num_blocks=12)
+    old = list(range(1, 13))  # three full blocks
+    cache.reserve([0], [12])
+    cache.lengths[0] = 12
+    cache.index(0, old)
+    first_block = int(cache.tables[0, 0])
+    assert len(cache.chains[0]) == 3
+    cache.rollback(torch.tensor([0]), 6)  # into the second block
+    assert len(cache.chains[0]) == 1
+    cache.reserve([0], [12])  # the second block is indexed and no one else's: unindexed and written in place
+    new = old[:6] + [90, 91, 92, 93, 94, 95]
+    cache.lengths[0] = 12
+    cache.index(0, new)
+    assert len(cache.chains[0]) == 3
+    assert cache.match(new + [1], 12) == cache.tables[0, :3].tolist()
+    assert cache.match(old + [1], 12) == [first_block]  # the old second block's content is gone
+    assert cache.leak() is None

@@ -15,7 +15,7 @@ from specdecode.model.quant import (BLOCKS, FORMATS, QUANTIZE_FORMATS, QuantEmbe
 
 from .gguf_files import kernel_rounded, random_blocks, tiny_model, write_gguf
 
-pytestmark = pytest.mark.skipif(kernels() is None, reason="the quantized kernels cannot be compiled here")
+pytestmark = pytest.mark.usefixtures("built_kernels")
 
 ROW_LENGTHS = {32: [1, 2, 7, 8, 9, 16, 18, 28], 256: [1, 2, 3, 6]}
 """Row lengths tested, in blocks: whole groups of 8 blocks of 32, a partial group, both (28 blocks: the 0.5B's 896

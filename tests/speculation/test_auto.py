@@ -279,6 +279,40 @@ def test_the_draft_cache_follows_the_committed_tokens(tiny_models):
     assert drafts[0].propose([seq], [4])[0].tokens.tolist() == drafts[1].propose([seq], [4])[0].tokens.tolist()
 
 
+@pytest.mark.parametrize("diverge", [0, 1])
+def test_the_draft_cache_keeps_no_node_past_where_the_committed_tokens_left_its_chain(tiny_models, diverge):
+    """As `auto` commits another source's path: the draft's chain is left in its middle (at depth `diverge`) and
+    more tokens are committed after that, as many as the chain had nodes. Only the nodes before the divergence are
+    kept (matching by count would keep them all), so the next drafts are a fresh draft model's."""
+    from specdecode.speculation.config import SpeculativeConfig, build_proposer
+    from specdecode.model.loading import load_model
+    from specdecode.model.tokenizer import Tokenizer
+
+    target = load_model(tiny_models["target"], dtype="float32")
+    config = SpeculativeConfig(method="auto", model=str(tiny_models["draft"]), num_speculative_tokens=4)
+    tok = Tokenizer(tiny_models["target"])
+    drafters = [build_proposer(config, target, tok, "float32", "cpu").drafter for _ in range(2)]
+    for drafter in drafters:
+        drafter.ensure_cache(1, 64)
+    seq = SimpleNamespace(request_id="a", token_ids=tok.encode("def add(a, b):"), slot=0,
+                          params=SamplingParams(temperature=0))
+    drafters[0].add([seq])
+    [tree] = drafters[0].propose([seq], [4])
+    chain = tree.tokens.tolist()
+    assert len(chain) == 4
+    other = [t for t in (7, 8, 9, 10) if t != chain[diverge]][:4 - diverge]
+    seq.token_ids += chain[:diverge] + other + [11]  # the last one is the new pending token
+    drafters[0].observe([seq], [tree], [None])
+    assert drafters[0].draft_len["a"] == len(seq.token_ids) - 1 - len(other)  # the tail catches up next step
+    drafters[1].add([seq])
+    for _ in range(2):  # and stays in step afterwards
+        mine, fresh = drafters[0].propose([seq], [4])[0], drafters[1].propose([seq], [4])[0]
+        assert mine.tokens.tolist() == fresh.tokens.tolist()
+        seq.token_ids += mine.tokens.tolist()[:2] + [12]
+        for drafter, tree in zip(drafters, (mine, fresh)):
+            drafter.observe([seq], [tree], [None])
+
+
 def test_metrics_count_by_source(tiny_models):
     llm = LLM(str(tiny_models["target"]), dtype="float32",
               speculative_config={"method": "auto", "auto_sources": ["ngram"], "adaptive": False})

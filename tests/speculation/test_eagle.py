@@ -58,10 +58,11 @@ def test_beside_a_quantized_target_the_head_runs_its_fused_kernels(one_layer, tm
     """With the target's matrices block-quantized, the head's are quantized too (Q8_0) and its layer runs through
     the fused kernel; drafts stay good and greedy output stays the quantized target's own."""
     from specdecode.model.loading import load_model
-    from specdecode.model.quant import QuantLinear, kernels
+    from specdecode.model.quant import QuantLinear
 
-    if kernels() is None:
-        pytest.skip("the quantized kernels cannot be compiled here")
+    from tests.compiled import kernels_or_skip
+
+    kernels_or_skip()
     quantized = load_model(one_layer / "target", dtype=torch.float32, quantization="q8_0").requires_grad_(False)
     draft_to_target = torch.arange(3, quantized.config.vocab_size - 40)
     save_speculator(copy_head(quantized, draft_to_target), quantized, tmp_path / "copy")
