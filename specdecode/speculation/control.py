@@ -12,10 +12,80 @@ import bisect
 
 from specdecode.speculation.cost import SCALE_RATE, CostModel
 
-REALISED_FADE = 0.98
-"""Per plain step, how much of a request's evidence about its drafting steps' speed is kept."""
 MAX_PROBE_INTERVAL = 512
 """Most plain steps between two probes of a speculator whose drafts keep failing."""
+GATE_EVIDENCE = 8.0
+"""Tokens of a request's drafting steps (since its last verdict) the cost gate needs before it judges them."""
+GATE_DECAY = 0.9
+"""Per step, the share of a request's plain-step timing kept (its context, and so its step, keeps growing)."""
+
+
+class CostGate:
+    """The per-request stopwatch verdict that keeps every request at least as fast as its own plain decoding.
+
+    Each request may draft at most `cap` levels a step. Its drafting steps' wall time and the tokens they gave are
+    summed; once they hold GATE_EVIDENCE tokens they are compared with what plain steps would have taken for as many
+    tokens (the request's own plain steps when it has had some, else the engine's at its batch size): slower halves
+    the cap (down to 0, no drafting), at least as fast doubles it back towards max_k, and the sums start again, so each
+    verdict judges the cap it set. At cap 0 the request decodes plainly and is probed at cap 1 after `interval`
+    plain steps; a probe that loses doubles the interval (up to MAX_PROBE_INTERVAL), one that pays resets it. A new
+    request starts at the cap the engine's latest verdict set, so when a method loses on every request (a weak
+    head on this text) the next one does not pay again to find out; it is probed like the others.
+    The model-based choice (SpecController.best_k) proposes; this gate only ever lowers what a request drafts.
+    """
+
+    def __init__(self, max_k: int, probe_every: int):
+        self.max_k = max_k
+        self.probe_every = probe_every
+        self.start_cap = max_k
+        self.requests: dict[str, dict] = {}
+
+    def _state(self, request_id: str) -> dict:
+        state = self.requests.get(request_id)
+        if state is None:
+            state = self.requests[request_id] = {
+                "cap": self.start_cap, "seconds": 0.0, "tokens": 0.0,  # drafting steps since the last verdict
+                "plain": None,  # faded seconds of its own plain steps
+                "interval": self.probe_every, "wait": self.probe_every}  # plain steps left before a probe at cap 0
+        return state
+
+    def cap(self, request_id: str) -> int:
+        """Most levels this request may draft in the next step (a probe's 1 when its wait is over)."""
+        state = self._state(request_id)
+        if state["cap"] == 0 and state["wait"] <= 0:
+            return 1
+        return state["cap"]
+
+    def observe(self, request_id: str, drafted: bool, tokens: int, wall: float, engine_plain: float | None) -> None:
+        """One step of this request: whether it drafted, the tokens it committed, the step's wall time, and the
+        engine's plain step time at the step's batch size (None if unknown)."""
+        state = self._state(request_id)
+        if not drafted:
+            state["plain"] = wall if state["plain"] is None else GATE_DECAY * state["plain"] + (1 - GATE_DECAY) * wall
+            if state["cap"] == 0:
+                state["wait"] -= 1
+            return
+        state["seconds"] += wall
+        state["tokens"] += tokens
+        if state["tokens"] < GATE_EVIDENCE:
+            return
+        plain = state["plain"] if state["plain"] is not None else engine_plain
+        if plain is None:
+            return
+        probing = state["cap"] == 0 and state["wait"] <= 0
+        if state["tokens"] * plain < state["seconds"]:  # slower than plain steps would have been
+            if probing:
+                state["interval"] = min(2 * state["interval"], MAX_PROBE_INTERVAL)
+            state["cap"] //= 2
+            state["wait"] = state["interval"]
+        else:
+            state["cap"] = min(self.max_k, max(1, 2 * state["cap"]))
+            state["interval"] = self.probe_every
+        state["seconds"] = state["tokens"] = 0.0
+        self.start_cap = state["cap"]
+
+    def forget(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
 
 
 def best_tree_width(pass_time: dict[int, float], level_time: dict[int, float], accuracy: list[list[float]],
@@ -71,8 +141,6 @@ class SpecController:
         step offers it the whole budget. Its estimates are per source and match length, which separate a sure guess
         from an unsure one; this controller's per-level rates, one per request, cannot (at batch 1 they held auto
         to one node a step, 0.86x the best fixed budget)."""
-        self.min_evidence = 8.0
-        """Tokens of a request's recent drafting steps needed before their realised speed can throttle it."""
         self.reset_acceptance()
 
     def reset_acceptance(self) -> None:
@@ -80,11 +148,11 @@ class SpecController:
         self.global_hits = [10.0 * self.prior_acceptance] * self.max_k
         self.global_trials = [10.0] * self.max_k
         self.counts: dict[str, tuple[list[float], list[float]]] = {}  # request -> (hits, trials) per level
-        # What drafting really gave each request: faded (seconds, tokens) of its drafting steps, against the
-        # measured wall time of plain steps per batch size. The model above can be wrong (a longer context than
-        # calibrated, a proposer slower than it looked, acceptance that fell); the stopwatch is not.
-        self.realised: dict[str, list[float]] = {}
-        self.plain_wall: dict[int, float] = {}
+        # What drafting really gave each request, against its plain steps' wall time. The model above can be wrong
+        # (a longer context than calibrated, a proposer slower than it looked, acceptance that fell, a machine
+        # shared with other work); the stopwatch is not.
+        self.gate = CostGate(self.max_k, self.probe_every)
+        self.plain_wall: dict[int, float] = {}  # engine-wide running wall time of a plain step per batch size
         self.steps_since_draft = 0
         # Plain steps before the next probe: doubles after each probe that gave fewer tokens per second than a plain
         # step, so a speculator that never pays (T=1 on a weak draft, a batch too wide to verify cheaply) costs a probe
@@ -140,31 +208,33 @@ class SpecController:
 
     # -- per step -------------------------------------------------------------------------------------------
 
-    def losing(self, request_id: str, batch: int) -> bool:
-        """Whether a request's recent drafting steps gave fewer tokens per second than plain steps take (then it
-        stops drafting until that evidence has faded, and tries again)."""
-        seconds, tokens = self.realised.get(request_id, (0.0, 0.0))
-        if tokens < self.min_evidence:
-            return False
-        plain = self.plain_wall.get(batch) or self.costs.step_time(batch, 0)
-        return tokens * plain < seconds
+    def caps(self, seqs) -> list[int]:
+        """Most levels each sequence may draft this step (the cost gate's verdicts on its own drafting steps)."""
+        if self.fixed_k is not None:
+            return [self.max_k] * len(seqs)
+        return [self.gate.cap(s.request_id) for s in seqs]
 
     def choose(self, seqs) -> int:
-        """Draft levels for this step (0 = plain); sequences with speculation off, or whose drafts lately did not
-        pay, are counted as plain rows."""
+        """Draft levels for this step (0 = plain); sequences with speculation off, or that the cost gate holds to
+        plain decoding, are counted as plain rows, and no row drafts more than its gate allows (DraftBudget also
+        caps each row by caps())."""
         if self.fixed_k is not None:
             return self.fixed_k
         speculating = [s for s in seqs if s.params.use_speculation]
         if not speculating:
             return 0
+        caps = [self.gate.cap(s.request_id) for s in speculating]
+        most = max(caps)
+        if most == 0:
+            return 0
         if self.delegated:
             # Asking costs the proposer's work for every row; once nothing it drafted paid for probe_every steps
             # (at a large batch no tree pays), it is asked once every probe_every steps until it drafts again.
             idle = self.steps_since_draft
-            return self.max_k if idle < self.probe_every or idle % self.probe_every == 0 else 0
+            return most if idle < self.probe_every or idle % self.probe_every == 0 else 0
         prior = self.global_rates()
-        rates = [self.rates(s.request_id, prior) for s in speculating if not self.losing(s.request_id, len(seqs))]
-        k = self.best_k(len(seqs), rates)[0] if rates else 0
+        rates = [self.rates(s.request_id, prior) for s, cap in zip(speculating, caps) if cap > 0]
+        k = min(self.best_k(len(seqs), rates)[0], most)
         if k == 0 and self.steps_since_draft >= self.probe_interval:
             # Acceptance is only learned while drafting: now and then re-measure it with one cheap level, but only
             # where a good acceptance rate would make speculation pay at this batch size.
@@ -192,14 +262,10 @@ class SpecController:
         if report.width == 1:  # a plain step: what drafting has to beat
             b, plain = len(seqs), self.plain_wall.get(len(seqs))
             self.plain_wall[b] = wall_time if plain is None else plain + SCALE_RATE * (wall_time - plain)
-        for seq, accepted in zip(seqs, report.accepted_lens):
-            realised = self.realised.setdefault(seq.request_id, [0.0, 0.0])
-            if report.width > 1:  # every row paid for the wider pass
-                realised[0] = realised[0] * self.decay + wall_time
-                realised[1] = realised[1] * self.decay + 1 + accepted
-            else:  # slower, so that a throttled request waits a while before it tries again
-                realised[0] *= REALISED_FADE
-                realised[1] *= REALISED_FADE
+        engine_plain = self.plain_wall.get(len(seqs)) or self.costs.step_time(len(seqs), 0)
+        for seq, drafted, accepted in zip(seqs, report.draft_lens, report.accepted_lens):
+            if drafted or report.width == 1:  # (a row that drafted nothing beside rows that did: no evidence)
+                self.gate.observe(seq.request_id, drafted > 0, 1 + accepted, wall_time, engine_plain)
         if drafting:
             self.global_hits = [h * 0.99 for h in self.global_hits]
             self.global_trials = [t * 0.99 for t in self.global_trials]
@@ -229,4 +295,4 @@ class SpecController:
 
     def forget(self, request_id: str) -> None:
         self.counts.pop(request_id, None)
-        self.realised.pop(request_id, None)
+        self.gate.forget(request_id)
