@@ -29,8 +29,8 @@ class DraftModelConfig:
     """Depth K of every draft chain."""
     num_drafts: int = 1
     """Chains per sequence: 1 = a chain, more = a tree branching at the root."""
-    draft_vocab: int | None = None
-    """Draft only tokens with ids below this (the draft's output head keeps those rows: see draft_head)."""
+    draft_vocab: list[int] | None = None
+    """Draft only these token ids (the draft's output head keeps their rows: see draft_head); None = every token."""
 
     def __post_init__(self):
         if self.num_speculative_tokens < 1:
@@ -285,8 +285,6 @@ class DraftModelProposer:
         K = len(level_tokens)
         all_tokens = torch.stack(level_tokens, dim=2).cpu()  # [B, w, K]
         all_q = None if greedy else torch.stack(level_q, dim=2)  # [B, w, K, V] (V: the draft head's rows)
-        if all_q is not None and all_q.shape[-1] < self.vocab_size:  # tokens the head leaves out: q = 0
-            all_q = torch.nn.functional.pad(all_q, (0, self.vocab_size - all_q.shape[-1]))
         classes = (torch.bucketize(torch.stack(level_p, dim=2).cpu(), torch.tensor(CONFIDENCE_EDGES), right=True)
                    if scored else None)  # [B, w, K]
         trees = []
@@ -340,29 +338,63 @@ def _token_probs(logits: torch.Tensor, q: torch.Tensor | None, tokens: torch.Ten
     return probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
-DRAFT_VOCAB = 65536
-"""A quantized draft whose vocabulary is over twice this drafts only tokens with ids below it. A draft's output head
-is a large share of its step (Qwen2.5-Coder-0.5B: 151,936 x 896 in Q8_0, 144 of the 394 MB a step reads), and
-byte-level BPE vocabularies number their tokens in merge order, most frequent first: the first 32,768 ids cover
-92-97% of the 1.5B's greedy answers to four code prompts, and 94% / 98% of stdlib Python (json, email, asyncio)
-for 32,768 / 65,536 ids. Measured on two code prompts (the 1.5B with the 0.5B drafting 4, one thread, Zen 4): whole
-head 1.11x / 1.11x plain, 64k rows 1.14x / 1.16x, 32k rows 1.08x / 1.14x (acceptance 75% -> 62% on the first). A
-token the draft cannot propose only ends that chain early; the verifier, which sees every token, keeps the output
-exactly the target's (sampled drafts: q is 0 beyond the head, a valid draft distribution)."""
+DRAFT_VOCAB = 32768
+"""A quantized draft whose vocabulary is over twice this drafts only this many tokens: the most frequent in the
+target's own outputs (the shipped ranking for its vocabulary, catalog/token_ranks.py), else the lowest ids (byte-level
+BPE numbers tokens in merge order, most frequent first). A draft's output head is a large share of its step
+(Qwen2.5-Coder-0.5B: 151,936 x 896 in Q8_0, 144 of the 394 MB a step reads). A token the draft cannot propose only
+ends that chain early; the verifier, which sees every token, keeps the output exactly the target's (sampled drafts: q
+is 0 beyond the head, a valid draft distribution). How N was chosen: docs/bench/draft_vocab_2026-12-05."""
 
 
-def draft_head(head, rows: int):
-    """The first `rows` output rows of a draft's head (a block-quantized QuantLinear keeps its bytes; else None:
-    the head stays whole)."""
+class SubsetHead(torch.nn.Module):
+    """A draft's output head that scores only `ids` (its own rows of the head, kept once at load) and gives every
+    other token a logit of -inf, so that everything after it (top-k, softmax, sampling, races) sees the whole
+    vocabulary and never picks a token outside the set."""
+
+    def __init__(self, rows: torch.nn.Module, ids: torch.Tensor, vocab_size: int):
+        super().__init__()
+        self.rows = rows
+        self.register_buffer("ids", ids)  # [N] ascending: the vocabulary id of each of rows' outputs
+        self.vocab_size = vocab_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = self.rows(x)  # [..., N]
+        logits = scores.new_full((*scores.shape[:-1], self.vocab_size), float("-inf"))  # [..., V]
+        return logits.index_copy_(-1, self.ids, scores)
+
+
+def draft_head(head, ids: list[int]):
+    """The head restricted to `ids` (a SubsetHead over copies of their rows; a block-quantized head keeps its
+    format); a head with a bias, or whose vocabulary holds no more than these, is returned as it is."""
     from specdecode.model.quant import QuantLinear
-    if not isinstance(head, QuantLinear) or head.out_features <= rows or head.bias is not None:
+    if head.bias is not None or head.out_features <= len(ids):
         return head
-    parts, left = [], rows
-    for fmt, weight in zip(head.formats, head.qweights):
-        if left > 0:
-            parts.append((fmt, weight[:left]))
-            left -= min(left, weight.shape[0])
-    return QuantLinear(parts, head.in_features, rows, None, head.value_dtype)
+    ids_t = torch.tensor(sorted(set(ids)), dtype=torch.long)  # (QuantLinear runs on the CPU)
+    if isinstance(head, QuantLinear):
+        parts, start = [], 0
+        for fmt, weight in zip(head.formats, head.qweights):
+            mine = ids_t[(ids_t >= start) & (ids_t < start + weight.shape[0])] - start
+            if len(mine):
+                parts.append((fmt, weight[mine]))
+            start += weight.shape[0]
+        rows = QuantLinear(parts, head.in_features, len(ids_t), None, head.value_dtype)
+    else:
+        rows = torch.nn.Linear(head.in_features, len(ids_t), bias=False, dtype=head.weight.dtype,
+                               device=head.weight.device)
+        rows.weight.data.copy_(head.weight.data[ids_t.to(head.weight.device)])
+        ids_t = ids_t.to(head.weight.device)
+    return SubsetHead(rows, ids_t, head.out_features)
+
+
+def frequent_tokens(tokenizer, vocab_size: int, n: int) -> list[int]:
+    """The n tokens a draft over this vocabulary keeps: the shipped ranking's first n, else ids 0..n-1."""
+    from specdecode.catalog.token_ranks import ranked_tokens, vocabulary_fingerprint
+
+    ranked = ranked_tokens(vocabulary_fingerprint(tokenizer.get_vocab()))
+    if ranked is None:
+        return list(range(n))
+    return [t for t in ranked if t < vocab_size][:n]
 
 
 def _build(config, context) -> DraftModelProposer:
@@ -384,7 +416,8 @@ def _build(config, context) -> DraftModelProposer:
     if quantization is not None and find_gguf(draft_dir) is not None:
         quantization = "gguf"
     draft = load_model(draft_dir, dtype=context.dtype, device=context.device, quantization=quantization)
-    vocab = DRAFT_VOCAB if quantization is not None and draft_cfg.vocab_size > 2 * DRAFT_VOCAB else None
+    vocab = (frequent_tokens(context.tokenizer, draft_cfg.vocab_size, DRAFT_VOCAB)
+             if quantization is not None and draft_cfg.vocab_size > 2 * DRAFT_VOCAB else None)
     proposer = DraftModelProposer(DraftModelConfig(str(draft_dir), config.num_speculative_tokens, config.num_drafts,
                                                    vocab), draft)
     if quantization == "gguf":  # a GGUF draft's heavier matrices (Q5_0, Q8_0, Q6_K, ...) in Q4_0: a cheaper step
