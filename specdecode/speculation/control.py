@@ -16,8 +16,14 @@ MAX_PROBE_INTERVAL = 512
 """Most plain steps between two probes of a speculator whose drafts keep failing."""
 GATE_EVIDENCE = 8.0
 """Tokens of a request's drafting steps (since its last verdict) the cost gate needs before it judges them."""
-GATE_DECAY = 0.9
-"""Per step, the share of a request's plain-step timing kept (its context, and so its step, keeps growing)."""
+GATE_DECAY = 0.5
+"""Per plain step, the share of a request's plain-step timing kept (its context, and so its step, keeps growing);
+a new time counts for at most twice the kept one (a step stalled by other work on the machine is not its rate)."""
+PLAIN_REFRESH = 32
+"""A request that has drafted this many steps since its last plain step takes a plain one, and its first decode step
+is plain: the rate drafting must beat is measured on the request itself, as it is now. (Without it the gate fell back
+on the cost model's plain step, whose overhead, learned on drafting steps alone, held a proposer's own work: Lookahead
+and Medusa drafted at 0.77-0.80x plain and looked as if they paid.) Costs at most 1/33 of what drafting gains."""
 
 
 class CostGate:
@@ -28,7 +34,8 @@ class CostGate:
     tokens (the request's own plain steps when it has had some, else the engine's at its batch size): slower halves
     the cap (down to 0, no drafting), at least as fast doubles it back towards max_k, and the sums start again, so each
     verdict judges the cap it set. At cap 0 the request decodes plainly and is probed at cap 1 after `interval`
-    plain steps; a probe that loses doubles the interval (up to MAX_PROBE_INTERVAL), one that pays resets it. A new
+    plain steps; a probe that loses doubles the interval (up to MAX_PROBE_INTERVAL), one that pays resets it. A
+    request's first decode step, and one in every PLAIN_REFRESH, is plain, to time its plain rate. A new
     request starts at the cap the engine's latest verdict set, so when a method loses on every request (a weak
     head on this text) the next one does not pay again to find out; it is probed like the others.
     The model-based choice (SpecController.best_k) proposes; this gate only ever lowers what a request drafts.
@@ -45,7 +52,7 @@ class CostGate:
         if state is None:
             state = self.requests[request_id] = {
                 "cap": self.start_cap, "seconds": 0.0, "tokens": 0.0,  # drafting steps since the last verdict
-                "plain": None,  # faded seconds of its own plain steps
+                "plain": None, "since_plain": 0,  # faded seconds of its own plain steps; drafting steps since one
                 "interval": self.probe_every, "wait": self.probe_every}  # plain steps left before a probe at cap 0
         return state
 
@@ -56,15 +63,24 @@ class CostGate:
             return 1
         return state["cap"]
 
+    def timing(self, request_id: str) -> bool:
+        """Whether this request's next step must be plain, to time its plain rate (its first, then one in every
+        PLAIN_REFRESH drafting steps)."""
+        state = self._state(request_id)
+        return state["plain"] is None or state["since_plain"] >= PLAIN_REFRESH
+
     def observe(self, request_id: str, drafted: bool, tokens: int, wall: float, engine_plain: float | None) -> None:
         """One step of this request: whether it drafted, the tokens it committed, the step's wall time, and the
         engine's plain step time at the step's batch size (None if unknown)."""
         state = self._state(request_id)
         if not drafted:
-            state["plain"] = wall if state["plain"] is None else GATE_DECAY * state["plain"] + (1 - GATE_DECAY) * wall
+            kept = state["plain"]
+            state["plain"] = wall if kept is None else GATE_DECAY * kept + (1 - GATE_DECAY) * min(wall, 2 * kept)
+            state["since_plain"] = 0
             if state["cap"] == 0:
                 state["wait"] -= 1
             return
+        state["since_plain"] += 1
         state["seconds"] += wall
         state["tokens"] += tokens
         if state["tokens"] < GATE_EVIDENCE:
@@ -212,7 +228,8 @@ class SpecController:
         """Most levels each sequence may draft this step (the cost gate's verdicts on its own drafting steps)."""
         if self.fixed_k is not None:
             return [self.max_k] * len(seqs)
-        return [self.gate.cap(s.request_id) for s in seqs]
+        gate = self.gate
+        return [0 if gate.timing(s.request_id) else gate.cap(s.request_id) for s in seqs]
 
     def choose(self, seqs) -> int:
         """Draft levels for this step (0 = plain); sequences with speculation off, or that the cost gate holds to

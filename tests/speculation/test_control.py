@@ -463,7 +463,7 @@ def test_cost_gate_uses_the_requests_own_plain_steps_and_new_requests_start_from
     short, long_ = seqs_of(1), [SimpleNamespace(request_id="long", params=SamplingParams())]
     gate_step(controller, short, 0, 0.010)
     gate_step(controller, long_, 0, 0.020)
-    for _ in range(40):
+    for _ in range(30):
         gate_step(controller, long_, 2, 0.015 * 2, accepted=2)  # 3 tokens in 30 ms: 1.5 plain steps of 20 ms
     assert controller.caps(long_) == [2] or controller.caps(long_) == [MAX_K]
     for _ in range(12):
@@ -491,3 +491,21 @@ def test_cost_gate_caps_each_row_of_a_batch():
     budget = DraftBudget(SpeculativeConfig(method="ngram", num_speculative_tokens=MAX_K), 1000, controller)
     budgets = budget.for_step(seqs)
     assert budgets[1] == 0 and budgets[0] > 0
+
+
+def test_cost_gate_times_each_requests_plain_rate_itself():
+    """A request's first decode step is plain, and so is one in every PLAIN_REFRESH drafting steps: the rate drafting
+    must beat is measured on the request, not taken from the cost model (whose overhead may hold the proposer's own
+    work); drafting steps that lose to that measured rate are cut."""
+    from specdecode.speculation.control import PLAIN_REFRESH
+    controller = SpecController(synthetic_costs(), MAX_K, probe_every=4)
+    seqs = seqs_of(1)
+    assert controller.caps(seqs) == [0]  # first: a plain step (DraftBudget gives the row no drafts)
+    gate_step(controller, seqs, 0, 0.010)
+    ks = []
+    for _ in range(2 * PLAIN_REFRESH + 2):
+        k = min(controller.choose(seqs), controller.caps(seqs)[0])
+        ks.append(k)
+        gate_step(controller, seqs, k, 0.008 if k else 0.010, accepted=k)  # drafting pays
+    assert ks[:PLAIN_REFRESH] == [ks[0]] * PLAIN_REFRESH and ks[0] > 0
+    assert ks[PLAIN_REFRESH] == 0 and ks.count(0) == 2
