@@ -104,12 +104,15 @@ def main() -> None:
                     start_at = len(ids) // 3  # a middle chunk of the file
                     ids = ids[start_at:start_at + args.chunk]
                     answer = [True] * len(ids)
+                    if len(ids) < 32:
+                        continue
                 logits = target(torch.tensor([ids])).logits[0]  # [T, V]
                 predicted = logits.argmax(-1)[:-1].tolist()  # the target's token for position t + 1
                 for t, is_answer in zip(predicted, answer[1:]):
                     if is_answer:
                         emitted[t] += 1
                         kinds[kind] += 1
+            print(f"{sum(kinds.values())} positions, {time.perf_counter() - start:.0f} s", file=sys.stderr)
     elapsed = time.perf_counter() - start
     print(f"target: {sum(emitted.values())} positions ({dict(kinds)}) in {elapsed:.0f} s, {len(emitted)} distinct",
           file=sys.stderr)
