@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
+import math
+import operator
 
 import torch
 
@@ -47,6 +50,7 @@ class _Pending:
     padded_tail: int
     chains: list[list[int]]  # the tokens of each chain, every level drafted (also past the sequence's budget)
     fed_depth: int  # levels whose tokens went through the draft model (their keys and values are in the cache)
+    prefix: list[int] = dataclasses.field(default_factory=list)  # guessed tokens fed after the tail (see propose)
 
 
 CONFIDENCE_EDGES = (0.2, 0.35, 0.5, 0.65, 0.8, 0.9, 0.95, 0.99)
@@ -229,26 +233,31 @@ class DraftModelProposer:
         return tokens, q
 
     @torch.no_grad()
-    def propose(self, seqs, budgets: list[int]) -> list[DraftTree]:
+    def propose(self, seqs, budgets: list[int], prefixes: list[list[int]] | None = None) -> list[DraftTree]:
+        """prefixes (from `auto`): per row, tokens another source guessed, fed to the draft after the committed ones
+        so that it drafts `budgets` levels below them; the row's tree is that path, then the draft's chains."""
         trees = [DraftTree.empty() for _ in seqs]
         rows = [i for i, b in enumerate(budgets) if b > 0]
         if not rows:
             return trees
+        prefixes = prefixes or [[] for _ in seqs]
         # Greedy and sampled requests are drafted in separate batches (greedy needs no probabilities).
         for greedy in (True, False):
             group = [i for i in rows if seqs[i].params.greedy == greedy]
             if group:
-                for i, tree in zip(group, self._draft([seqs[i] for i in group], [budgets[i] for i in group], greedy)):
+                for i, tree in zip(group, self._draft([seqs[i] for i in group], [budgets[i] for i in group], greedy,
+                                                      [list(prefixes[i]) for i in group])):
                     trees[i] = tree
         return trees
 
-    def _draft(self, seqs, budgets: list[int], greedy: bool) -> list[DraftTree]:
+    def _draft(self, seqs, budgets: list[int], greedy: bool, prefixes: list[list[int]]) -> list[DraftTree]:
         device = self.model.device
         width = self.config.num_drafts
         K = min(max(budgets), self.config.num_speculative_tokens)
         B = len(seqs)
         slots = torch.tensor([s.slot for s in seqs])
-        tails = [s.token_ids[self.draft_len[s.request_id]:] for s in seqs]
+        committed_tails = [s.token_ids[self.draft_len[s.request_id]:] for s in seqs]
+        tails = [t + p for t, p in zip(committed_tails, prefixes)]  # a guessed path is fed as if committed
         tail_lens = torch.tensor([len(t) for t in tails])  # [B]
         padded_tail = int(tail_lens.max())
         tail_ids = torch.tensor([t + [0] * (padded_tail - len(t)) for t in tails], device=device)  # [B, Tt]
@@ -257,10 +266,18 @@ class DraftModelProposer:
         tokens, q = self._pick(root_logits, seqs, greedy, width, 0)  # [B, w], [B, w, V]
         level_tokens, level_q = [tokens], [q]
         scored = self.scores_nodes  # (only auto reads the draft's probabilities: a plain draft skips their softmax)
+        prefix_p = [[] for _ in seqs]  # per row, the draft's probability of each prefix token given those before
         if scored:
+            for b, prefix in enumerate(prefixes):
+                if prefix:
+                    start = len(committed_tails[b]) - 1
+                    rows = out.logits[b, start:start + len(prefix)].float().softmax(-1)  # [P, V]
+                    prefix_p[b] = rows.gather(-1, torch.tensor(prefix, device=device)[:, None])[:, 0].tolist()
+            reach = torch.tensor([math.prod(p) for p in prefix_p], device=device)  # [B] P(the whole prefix)
             level_p = [_token_probs(root_logits, q, tokens)]  # [B, w] each node's probability under the draft
-            chain_p = level_p[0]  # [B, w] each chain's probability so far
-            expected = B + float(chain_p.max(1).values.sum())
+            chain_p = reach[:, None] * level_p[0]  # [B, w] each chain's probability so far, prefix included
+            expected = B + sum(sum(itertools.accumulate(p, operator.mul)) for p in prefix_p) \
+                + float(chain_p.max(1).values.sum())
         # Level d nodes sit at position length + tail_len + d - 1; each chain sees the real tail and its own nodes.
         base_pos = (self.cache.lengths[slots] + tail_lens).to(device)  # [B]
         tail_visible = (torch.arange(padded_tail)[None, :] < tail_lens[:, None]).to(device)  # [B, Tt]
@@ -290,12 +307,25 @@ class DraftModelProposer:
         trees = []
         for b, seq in enumerate(seqs):
             k = min(budgets[b], K)
-            parents = [-1 if d == 0 else c * k + d - 1 for c in range(width) for d in range(k)]
-            probs = None if all_q is None else all_q[b, :, :k].reshape(width * k, -1)
-            trees.append(DraftTree(all_tokens[b, :, :k].reshape(-1), tuple(parents), probs,
-                                   node_confidence=None if classes is None
-                                   else tuple(classes[b, :, :k].reshape(-1).tolist())))
-            self.pending[seq.request_id] = _Pending(int(tail_lens[b]), padded_tail, all_tokens[b].tolist(), K - 1)
+            prefix = prefixes[b]
+            P = len(prefix)
+            top = P - 1  # the node the chains hang from (-1: the last committed token)
+            parents = list(range(-1, P - 1)) + [top if d == 0 else P + c * k + d - 1
+                                                 for c in range(width) for d in range(k)]
+            tokens = torch.cat([torch.tensor(prefix, dtype=all_tokens.dtype), all_tokens[b, :, :k].reshape(-1)])
+            probs = None
+            if all_q is not None:  # a guessed prefix is one-hot under the draft's q
+                probs = all_q[b, :, :k].reshape(width * k, -1)
+                if P:
+                    probs = torch.cat([torch.nn.functional.one_hot(torch.tensor(prefix, device=probs.device),
+                                                                   probs.shape[-1]).to(probs.dtype), probs])
+            confidence = None
+            if classes is not None:
+                confidence = tuple(torch.bucketize(torch.tensor(prefix_p[b]), torch.tensor(CONFIDENCE_EDGES),
+                                                   right=True).tolist()) + tuple(classes[b, :, :k].reshape(-1).tolist())
+            trees.append(DraftTree(tokens, tuple(parents), probs, node_confidence=confidence))
+            self.pending[seq.request_id] = _Pending(len(committed_tails[b]), padded_tail, all_tokens[b].tolist(),
+                                                    K - 1, prefix)
         return trees
 
     def observe(self, seqs, trees, results) -> None:
@@ -311,12 +341,16 @@ class DraftModelProposer:
                 continue
             # the step's tokens but the new pending one, which the next step feeds to get its logits
             committed = seq.token_ids[self.draft_len[seq.request_id] + info.tail_len:-1]
+            kept_prefix = common_prefix(info.prefix, committed)  # a guessed prefix sits right after the tail
             chain, fed = 0, 0
-            for c, tokens in enumerate(info.chains):
-                n = common_prefix(tokens[:info.fed_depth], committed)
-                if n > fed:
-                    chain, fed = c, n
-            offsets = list(range(info.tail_len)) + [info.padded_tail + width * d + chain for d in range(fed)]
+            if kept_prefix == len(info.prefix):
+                below = committed[kept_prefix:]
+                for c, tokens in enumerate(info.chains):
+                    n = common_prefix(tokens[:info.fed_depth], below)
+                    if n > fed:
+                        chain, fed = c, n
+            offsets = (list(range(info.tail_len + kept_prefix))
+                       + [info.padded_tail + width * d + chain for d in range(fed)])
             rows.append(seq.slot)
             kept.append(offsets)
             n_kept.append(len(offsets))
