@@ -36,8 +36,9 @@ class CostGate:
     verdict judges the cap it set. At cap 0 the request decodes plainly and is probed at cap 1 after `interval`
     plain steps; a probe that loses doubles the interval (up to MAX_PROBE_INTERVAL), one that pays resets it. A
     request's first decode step, and one in every PLAIN_REFRESH, is plain, to time its plain rate. A new
-    request starts at the cap the engine's latest verdict set, so when a method loses on every request (a weak
-    head on this text) the next one does not pay again to find out; it is probed like the others.
+    request starts at the cap and probe interval the engine's latest verdict left, so when a method loses on every
+    request (a weak head on this text) the next one does not pay again to find out, and probes grow rarer across
+    requests (a 128-token request held at 0 and probed after 16 steps lost ~3% to its one probe window).
     The model-based choice (SpecController.best_k) proposes; this gate only ever lowers what a request drafts.
     """
 
@@ -45,15 +46,16 @@ class CostGate:
         self.max_k = max_k
         self.probe_every = probe_every
         self.start_cap = max_k
+        self.start_interval = probe_every
         self.requests: dict[str, dict] = {}
 
     def _state(self, request_id: str) -> dict:
         state = self.requests.get(request_id)
         if state is None:
             state = self.requests[request_id] = {
-                "cap": self.start_cap, "seconds": 0.0, "tokens": 0.0,  # drafting steps since the last verdict
+                "cap": self.start_cap, "seconds": 0.0, "tokens": 0.0, "steps": 0,  # drafting steps since the verdict
                 "plain": None, "since_plain": 0,  # faded seconds of its own plain steps; drafting steps since one
-                "interval": self.probe_every, "wait": self.probe_every}  # plain steps left before a probe at cap 0
+                "interval": self.start_interval, "wait": self.start_interval}  # plain steps before a probe at cap 0
         return state
 
     def cap(self, request_id: str) -> int:
@@ -83,22 +85,26 @@ class CostGate:
         state["since_plain"] += 1
         state["seconds"] += wall
         state["tokens"] += tokens
-        if state["tokens"] < GATE_EVIDENCE:
-            return
+        state["steps"] += 1
         plain = state["plain"] if state["plain"] is not None else engine_plain
         if plain is None:
             return
+        ratio = state["tokens"] * plain / state["seconds"]  # drafting's tokens per second over plain's
+        # Judged once GATE_EVIDENCE tokens are in, or at once (two steps) when drafting takes twice plain's time.
+        if state["tokens"] < GATE_EVIDENCE and not (state["steps"] >= 2 and ratio < 0.5):
+            return
         probing = state["cap"] == 0 and state["wait"] <= 0
-        if state["tokens"] * plain < state["seconds"]:  # slower than plain steps would have been
+        state["steps"] = 0
+        if ratio < 1.0:  # slower than plain steps would have been: at least halved, more the more it lost
             if probing:
                 state["interval"] = min(2 * state["interval"], MAX_PROBE_INTERVAL)
-            state["cap"] //= 2
+            state["cap"] = min(state["cap"] // 2, int(state["cap"] * ratio))
             state["wait"] = state["interval"]
         else:
             state["cap"] = min(self.max_k, max(1, 2 * state["cap"]))
             state["interval"] = self.probe_every
         state["seconds"] = state["tokens"] = 0.0
-        self.start_cap = state["cap"]
+        self.start_cap, self.start_interval = state["cap"], state["interval"]
 
     def forget(self, request_id: str) -> None:
         self.requests.pop(request_id, None)

@@ -509,3 +509,21 @@ def test_cost_gate_times_each_requests_plain_rate_itself():
         gate_step(controller, seqs, k, 0.008 if k else 0.010, accepted=k)  # drafting pays
     assert ks[:PLAIN_REFRESH] == [ks[0]] * PLAIN_REFRESH and ks[0] > 0
     assert ks[PLAIN_REFRESH] == 0 and ks.count(0) == 2
+
+
+def test_cost_gate_carries_its_back_off_to_new_requests():
+    """A method that loses on every request: each new request starts held at 0 with the back-off the last verdict
+    left, so across short requests the probes grow rarer instead of costing every request one probe window."""
+    controller = SpecController(synthetic_costs(), MAX_K, probe_every=4)
+    drafted_steps = []
+    for n in range(8):
+        seqs = [SimpleNamespace(request_id=f"r{n}", params=SamplingParams())]
+        drafted = 0
+        for _ in range(40):  # a short request
+            k = min(controller.choose(seqs), controller.caps(seqs)[0])
+            drafted += k > 0
+            gate_step(controller, seqs, k, 0.030 if k else 0.010, accepted=0)  # drafting never pays
+        controller.forget(seqs[0].request_id)
+        drafted_steps.append(drafted)
+    assert drafted_steps[0] > 0
+    assert sum(drafted_steps[4:]) <= drafted_steps[0] // 2, drafted_steps  # later requests hardly probe
