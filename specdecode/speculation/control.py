@@ -30,10 +30,11 @@ class CostGate:
     """The per-request stopwatch verdict that keeps every request at least as fast as its own plain decoding.
 
     Each request may draft at most `cap` levels a step. Its drafting steps' wall time and the tokens they gave are
-    summed; once they hold GATE_EVIDENCE tokens they are compared with what plain steps would have taken for as many
-    tokens (the request's own plain steps when it has had some, else the engine's at its batch size): slower halves
-    the cap (down to 0, no drafting), at least as fast doubles it back towards max_k, and the sums start again, so each
-    verdict judges the cap it set. At cap 0 the request decodes plainly and is probed at cap 1 after `interval`
+    summed; once they hold GATE_EVIDENCE tokens (or after two steps that took over twice plain's time) they are
+    compared with what plain steps would have taken for as many tokens (the request's own plain steps when it has had
+    some, else the engine's at its batch size): slower cuts the cap by half or by that ratio, whichever cuts more
+    (down to 0, no drafting); at least as fast doubles it back towards max_k; and the sums start again, so each verdict
+    judges the cap it set. At cap 0 the request decodes plainly and is probed at cap 1 after `interval`
     plain steps; a probe that loses doubles the interval (up to MAX_PROBE_INTERVAL), one that pays resets it. A
     request's first decode step, and one in every PLAIN_REFRESH, is plain, to time its plain rate. A new
     request starts at the cap and probe interval the engine's latest verdict left, so when a method loses on every
@@ -232,8 +233,8 @@ class SpecController:
 
     def caps(self, seqs) -> list[int]:
         """Most levels each sequence may draft this step (the cost gate's verdicts on its own drafting steps)."""
-        if self.fixed_k is not None:
-            return [self.max_k] * len(seqs)
+        if self.fixed_k is not None:  # (a benchmark of a fixed K: no gate)
+            return [self.fixed_k] * len(seqs)
         gate = self.gate
         return [0 if gate.timing(s.request_id) else gate.cap(s.request_id) for s in seqs]
 
