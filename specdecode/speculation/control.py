@@ -235,8 +235,10 @@ class SpecController:
         """Most levels each sequence may draft this step (the cost gate's verdicts on its own drafting steps)."""
         if self.fixed_k is not None:  # (a benchmark of a fixed K: no gate)
             return [self.fixed_k] * len(seqs)
-        gate = self.gate
-        return [0 if gate.timing(s.request_id) else gate.cap(s.request_id) for s in seqs]
+        gate, whole = self.gate, self.delegated
+        # A delegated proposer trims its own trees: the gate only turns a row's drafting off and on (binary).
+        return [0 if gate.timing(s.request_id) else (self.max_k if whole and gate.cap(s.request_id) else
+                                                     gate.cap(s.request_id)) for s in seqs]
 
     def choose(self, seqs) -> int:
         """Draft levels for this step (0 = plain); sequences with speculation off, or that the cost gate holds to
@@ -255,7 +257,7 @@ class SpecController:
             # Asking costs the proposer's work for every row; once nothing it drafted paid for probe_every steps
             # (at a large batch no tree pays), it is asked once every probe_every steps until it drafts again.
             idle = self.steps_since_draft
-            return most if idle < self.probe_every or idle % self.probe_every == 0 else 0
+            return self.max_k if idle < self.probe_every or idle % self.probe_every == 0 else 0
         prior = self.global_rates()
         rates = [self.rates(s.request_id, prior) for s, cap in zip(speculating, caps) if cap > 0]
         k = min(self.best_k(len(seqs), rates)[0], most)

@@ -190,7 +190,8 @@ def test_adaptive_auto_shapes_its_own_trees_and_stays_exact(tiny_models, plain_a
     assert llm.controller.delegated and llm.proposer.costs is llm.controller.costs
     for prompt, want, got in zip(prompts, plain, llm.generate(prompts, greedy)):
         assert got.outputs[0].token_ids == want.outputs[0].token_ids, prompt
-    llm.controller.steps_since_draft = 0  # (whether the last steps drafted depends on measured pass times)
+    llm.controller.steps_since_draft = 0  # (whether the last steps drafted depends on measured pass times,
+    llm.controller.gate.start_cap = 4  # and so does the cost gate's last verdict, which a new request starts from)
     assert llm.controller.choose([llm.make_sequence(prompts[0], greedy)]) == 4
     ngram = LLM(str(tiny_models["target"]), dtype="float32",
                 speculative_config={"method": "ngram", "num_speculative_tokens": 4, "adaptive": True})
