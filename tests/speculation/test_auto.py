@@ -198,22 +198,36 @@ def test_adaptive_auto_shapes_its_own_trees_and_stays_exact(tiny_models, plain_a
     assert not ngram.controller.delegated
 
 
+@pytest.mark.parametrize("covered", [None, 0.5])
 @pytest.mark.parametrize("batch", [1, 3])
-def test_a_draft_model_joins_the_tree_and_stays_exact(tiny_models, plain_answers, batch):
+def test_a_draft_model_joins_the_tree_and_stays_exact(tiny_models, plain_answers, batch, covered, monkeypatch):
     """"model" naming a draft checkpoint makes the draft model a source beside prompt lookup and suffix decoding:
     greedy output is plain decoding's, the draft's nodes are accepted (it is a near copy of the target), and its
-    cache follows whatever path the target took, whichever source guessed it."""
+    cache follows whatever path the target took, whichever source guessed it (also when it drafts below the free
+    sources' sure path: COVERED)."""
+    from specdecode.speculation.proposers import auto as auto_module
+
+    monkeypatch.setattr(auto_module, "COVERED", covered)
     prompts, greedy, plain = plain_answers
     llm = LLM(str(tiny_models["target"]), dtype="float32", max_num_seqs=batch,
               speculative_config={"method": "auto", "model": str(tiny_models["draft"]), "num_speculative_tokens": 4,
                                   "adaptive": False})
     assert llm.proposer.names == ["draft_model", "ngram", "suffix"]
     assert llm.proposer.draft_network is llm.proposer.drafter.model
+    drafter, below = llm.proposer.drafter, []
+    propose = drafter.propose
+
+    def noting(seqs, budgets, prefixes=None):
+        below.extend(p for p, b in zip(prefixes or [], budgets) if p and b)
+        return propose(seqs, budgets, prefixes)
+
+    monkeypatch.setattr(drafter, "propose", noting)
     for _ in range(2):
         for prompt, want, got in zip(prompts, plain, llm.generate(prompts, greedy)):
             assert got.outputs[0].token_ids == want.outputs[0].token_ids, prompt
     proposed, accepted = llm.proposer.counts["draft_model"]
     assert accepted > 0.3 * proposed > 0, llm.proposer.counts
+    assert bool(below) == (covered is not None)  # drafted below a free path, when on
 
 
 def test_a_windowed_draft_stays_exact(tiny_models, plain_answers, monkeypatch):

@@ -59,11 +59,12 @@ REQUEST_YIELD_RATE = 0.3
 """Weight of each drafted row in a request's own running mean of it."""
 MIN_VALUE = 0.02
 """Nodes whose path value (expected tokens added) is below this are not verified."""
-COVERED = 0.7
-"""A free source's path whose every node is worth at least this (the chance it is accepted, its path above it
-included) is what the free sources already cover: where they serve a row well enough that the draft would not be
-asked (draft_yield), the draft model drafts below that path's end. (Drafting below a path whenever one was worth 0.5,
-instead of from the root, held auto to 0.88x the best single method on `bench assistant`.)"""
+COVERED: float | None = None
+"""When set: a free source's path whose every node is worth at least this (the chance it is accepted, its path above
+it included) is what the free sources already cover, and where they serve a row well enough that the draft would not
+be asked (draft_yield), the draft model drafts below that path's end. Off until measured: drafting below a path
+whenever one was worth 0.5, instead of from the root, held auto to 0.88x the best single method on `bench assistant`
+(docs/bench/auto_below_2026-12-05); this additive form (0.7, only where the draft would otherwise sit out) is untimed."""
 
 
 @dataclasses.dataclass
@@ -205,7 +206,8 @@ class AutoProposer:
                 if b > 0 and self._expected(merged, b) < self.request_yield.get(seq.request_id, self.draft_yield):
                     wanted.append(b)  # the free sources guess too little: the draft drafts from the root
                 else:  # they serve the row: the draft only continues their sure path, where they stop being sure
-                    prefix = self._covered(merged, b) if b > 0 and seq.params.greedy else []
+                    prefix = (self._covered(merged, b, COVERED) if COVERED is not None and b > 0
+                              and seq.params.greedy else [])
                     wanted.append(b - len(prefix) if prefix else 0)
                 prefixes.append(prefix)
             self._join_drafter([seq for seq, b in zip(seqs, wanted) if b > 0])
@@ -255,8 +257,8 @@ class AutoProposer:
         return nodes
 
     @staticmethod
-    def _covered(nodes: list[Candidate], k: int) -> list[int]:
-        """Tokens of the free sources' most valuable path from the root, as long as each node is worth COVERED or
+    def _covered(nodes: list[Candidate], k: int, least: float) -> list[int]:
+        """Tokens of the free sources' most valuable path from the root, as long as each node is worth `least` or
         more (at most k - 1 of them: the draft gets at least a level below)."""
         path, at = [], -1
         while len(path) < k - 1:
@@ -264,7 +266,7 @@ class AutoProposer:
             if not children:
                 break
             best = max(children, key=lambda i: nodes[i].value)
-            if nodes[best].value < COVERED:
+            if nodes[best].value < least:
                 break
             path.append(nodes[best].token)
             at = best
