@@ -33,5 +33,7 @@ class DraftBudget:
         config = self.config
         if config is None or (config.disable_by_batch_size is not None and len(seqs) >= config.disable_by_batch_size):
             return [0] * len(seqs)
-        k = self.controller.choose(seqs) if self.controller is not None else config.num_speculative_tokens
-        return [self.for_sequence(s, k) for s in seqs]
+        if self.controller is None:
+            return [self.for_sequence(s, config.num_speculative_tokens) for s in seqs]
+        k = self.controller.choose(seqs)
+        return [self.for_sequence(s, min(k, cap)) for s, cap in zip(seqs, self.controller.caps(seqs))]

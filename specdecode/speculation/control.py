@@ -12,10 +12,103 @@ import bisect
 
 from specdecode.speculation.cost import SCALE_RATE, CostModel
 
-REALISED_FADE = 0.98
-"""Per plain step, how much of a request's evidence about its drafting steps' speed is kept."""
 MAX_PROBE_INTERVAL = 512
 """Most plain steps between two probes of a speculator whose drafts keep failing."""
+GATE_EVIDENCE = 8.0
+"""Tokens of a request's drafting steps (since its last verdict) the cost gate needs before it judges them."""
+GATE_DECAY = 0.5
+"""Per plain step, the share of a request's plain-step timing kept (its context, and so its step, keeps growing);
+a new time counts for at most twice the kept one (a step stalled by other work on the machine is not its rate)."""
+PLAIN_REFRESH = 32
+"""A request that has drafted this many steps since its last plain step takes a plain one, and its first decode step
+is plain: the rate drafting must beat is measured on the request itself, as it is now. (Without it the gate fell back
+on the cost model's plain step, whose overhead, learned on drafting steps alone, held a proposer's own work: Lookahead
+and Medusa drafted at 0.77-0.80x plain and looked as if they paid.) Costs at most 1/33 of what drafting gains."""
+
+
+class CostGate:
+    """The per-request stopwatch verdict that keeps every request at least as fast as its own plain decoding.
+
+    Each request may draft at most `cap` levels a step. Its drafting steps' wall time and the tokens they gave are
+    summed; once they hold GATE_EVIDENCE tokens (or after two steps that took over twice plain's time) they are
+    compared with what plain steps would have taken for as many tokens (the request's own plain steps when it has had
+    some, else the engine's at its batch size): slower cuts the cap by half or by that ratio, whichever cuts more
+    (down to 0, no drafting); at least as fast doubles it back towards max_k; and the sums start again, so each verdict
+    judges the cap it set. At cap 0 the request decodes plainly and is probed at cap 1 after `interval`
+    plain steps; a probe that loses doubles the interval (up to MAX_PROBE_INTERVAL), one that pays resets it. A
+    request's first decode step, and one in every PLAIN_REFRESH, is plain, to time its plain rate. A new
+    request starts at the cap and probe interval the engine's latest verdict left, so when a method loses on every
+    request (a weak head on this text) the next one does not pay again to find out, and probes grow rarer across
+    requests (a 128-token request held at 0 and probed after 16 steps lost ~3% to its one probe window).
+    The model-based choice (SpecController.best_k) proposes; this gate only ever lowers what a request drafts.
+    """
+
+    def __init__(self, max_k: int, probe_every: int):
+        self.max_k = max_k
+        self.probe_every = probe_every
+        self.start_cap = max_k
+        self.start_interval = probe_every
+        self.requests: dict[str, dict] = {}
+
+    def _state(self, request_id: str) -> dict:
+        state = self.requests.get(request_id)
+        if state is None:
+            state = self.requests[request_id] = {
+                "cap": self.start_cap, "seconds": 0.0, "tokens": 0.0, "steps": 0,  # drafting steps since the verdict
+                "plain": None, "since_plain": 0,  # faded seconds of its own plain steps; drafting steps since one
+                "interval": self.start_interval, "wait": self.start_interval}  # plain steps before a probe at cap 0
+        return state
+
+    def cap(self, request_id: str) -> int:
+        """Most levels this request may draft in the next step (a probe's 1 when its wait is over)."""
+        state = self._state(request_id)
+        if state["cap"] == 0 and state["wait"] <= 0:
+            return 1
+        return state["cap"]
+
+    def timing(self, request_id: str) -> bool:
+        """Whether this request's next step must be plain, to time its plain rate (its first, then one in every
+        PLAIN_REFRESH drafting steps)."""
+        state = self._state(request_id)
+        return state["plain"] is None or state["since_plain"] >= PLAIN_REFRESH
+
+    def observe(self, request_id: str, drafted: bool, tokens: int, wall: float, engine_plain: float | None) -> None:
+        """One step of this request: whether it drafted, the tokens it committed, the step's wall time, and the
+        engine's plain step time at the step's batch size (None if unknown)."""
+        state = self._state(request_id)
+        if not drafted:
+            kept = state["plain"]
+            state["plain"] = wall if kept is None else GATE_DECAY * kept + (1 - GATE_DECAY) * min(wall, 2 * kept)
+            state["since_plain"] = 0
+            if state["cap"] == 0:
+                state["wait"] -= 1
+            return
+        state["since_plain"] += 1
+        state["seconds"] += wall
+        state["tokens"] += tokens
+        state["steps"] += 1
+        plain = state["plain"] if state["plain"] is not None else engine_plain
+        if plain is None:
+            return
+        ratio = state["tokens"] * plain / state["seconds"]  # drafting's tokens per second over plain's
+        # Judged once GATE_EVIDENCE tokens are in, or at once (two steps) when drafting takes twice plain's time.
+        if state["tokens"] < GATE_EVIDENCE and not (state["steps"] >= 2 and ratio < 0.5):
+            return
+        probing = state["cap"] == 0 and state["wait"] <= 0
+        state["steps"] = 0
+        if ratio < 1.0:  # slower than plain steps would have been: at least halved, more the more it lost
+            if probing:
+                state["interval"] = min(2 * state["interval"], MAX_PROBE_INTERVAL)
+            state["cap"] = min(state["cap"] // 2, int(state["cap"] * ratio))
+            state["wait"] = state["interval"]
+        else:
+            state["cap"] = min(self.max_k, max(1, 2 * state["cap"]))
+            state["interval"] = self.probe_every
+        state["seconds"] = state["tokens"] = 0.0
+        self.start_cap, self.start_interval = state["cap"], state["interval"]
+
+    def forget(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
 
 
 def best_tree_width(pass_time: dict[int, float], level_time: dict[int, float], accuracy: list[list[float]],
@@ -71,8 +164,6 @@ class SpecController:
         step offers it the whole budget. Its estimates are per source and match length, which separate a sure guess
         from an unsure one; this controller's per-level rates, one per request, cannot (at batch 1 they held auto
         to one node a step, 0.86x the best fixed budget)."""
-        self.min_evidence = 8.0
-        """Tokens of a request's recent drafting steps needed before their realised speed can throttle it."""
         self.reset_acceptance()
 
     def reset_acceptance(self) -> None:
@@ -80,11 +171,11 @@ class SpecController:
         self.global_hits = [10.0 * self.prior_acceptance] * self.max_k
         self.global_trials = [10.0] * self.max_k
         self.counts: dict[str, tuple[list[float], list[float]]] = {}  # request -> (hits, trials) per level
-        # What drafting really gave each request: faded (seconds, tokens) of its drafting steps, against the
-        # measured wall time of plain steps per batch size. The model above can be wrong (a longer context than
-        # calibrated, a proposer slower than it looked, acceptance that fell); the stopwatch is not.
-        self.realised: dict[str, list[float]] = {}
-        self.plain_wall: dict[int, float] = {}
+        # What drafting really gave each request, against its plain steps' wall time. The model above can be wrong
+        # (a longer context than calibrated, a proposer slower than it looked, acceptance that fell, a machine
+        # shared with other work); the stopwatch is not.
+        self.gate = CostGate(self.max_k, self.probe_every)
+        self.plain_wall: dict[int, float] = {}  # engine-wide running wall time of a plain step per batch size
         self.steps_since_draft = 0
         # Plain steps before the next probe: doubles after each probe that gave fewer tokens per second than a plain
         # step, so a speculator that never pays (T=1 on a weak draft, a batch too wide to verify cheaply) costs a probe
@@ -140,22 +231,27 @@ class SpecController:
 
     # -- per step -------------------------------------------------------------------------------------------
 
-    def losing(self, request_id: str, batch: int) -> bool:
-        """Whether a request's recent drafting steps gave fewer tokens per second than plain steps take (then it
-        stops drafting until that evidence has faded, and tries again)."""
-        seconds, tokens = self.realised.get(request_id, (0.0, 0.0))
-        if tokens < self.min_evidence:
-            return False
-        plain = self.plain_wall.get(batch) or self.costs.step_time(batch, 0)
-        return tokens * plain < seconds
+    def caps(self, seqs) -> list[int]:
+        """Most levels each sequence may draft this step (the cost gate's verdicts on its own drafting steps)."""
+        if self.fixed_k is not None:  # (a benchmark of a fixed K: no gate)
+            return [self.fixed_k] * len(seqs)
+        gate, whole = self.gate, self.delegated
+        # A delegated proposer trims its own trees: the gate only turns a row's drafting off and on (binary).
+        return [0 if gate.timing(s.request_id) else (self.max_k if whole and gate.cap(s.request_id) else
+                                                     gate.cap(s.request_id)) for s in seqs]
 
     def choose(self, seqs) -> int:
-        """Draft levels for this step (0 = plain); sequences with speculation off, or whose drafts lately did not
-        pay, are counted as plain rows."""
+        """Draft levels for this step (0 = plain); sequences with speculation off, or that the cost gate holds to
+        plain decoding, are counted as plain rows, and no row drafts more than its gate allows (DraftBudget also
+        caps each row by caps())."""
         if self.fixed_k is not None:
             return self.fixed_k
         speculating = [s for s in seqs if s.params.use_speculation]
         if not speculating:
+            return 0
+        caps = [self.gate.cap(s.request_id) for s in speculating]
+        most = max(caps)
+        if most == 0:
             return 0
         if self.delegated:
             # Asking costs the proposer's work for every row; once nothing it drafted paid for probe_every steps
@@ -163,8 +259,8 @@ class SpecController:
             idle = self.steps_since_draft
             return self.max_k if idle < self.probe_every or idle % self.probe_every == 0 else 0
         prior = self.global_rates()
-        rates = [self.rates(s.request_id, prior) for s in speculating if not self.losing(s.request_id, len(seqs))]
-        k = self.best_k(len(seqs), rates)[0] if rates else 0
+        rates = [self.rates(s.request_id, prior) for s, cap in zip(speculating, caps) if cap > 0]
+        k = min(self.best_k(len(seqs), rates)[0], most)
         if k == 0 and self.steps_since_draft >= self.probe_interval:
             # Acceptance is only learned while drafting: now and then re-measure it with one cheap level, but only
             # where a good acceptance rate would make speculation pay at this batch size.
@@ -192,14 +288,10 @@ class SpecController:
         if report.width == 1:  # a plain step: what drafting has to beat
             b, plain = len(seqs), self.plain_wall.get(len(seqs))
             self.plain_wall[b] = wall_time if plain is None else plain + SCALE_RATE * (wall_time - plain)
-        for seq, accepted in zip(seqs, report.accepted_lens):
-            realised = self.realised.setdefault(seq.request_id, [0.0, 0.0])
-            if report.width > 1:  # every row paid for the wider pass
-                realised[0] = realised[0] * self.decay + wall_time
-                realised[1] = realised[1] * self.decay + 1 + accepted
-            else:  # slower, so that a throttled request waits a while before it tries again
-                realised[0] *= REALISED_FADE
-                realised[1] *= REALISED_FADE
+        engine_plain = self.plain_wall.get(len(seqs)) or self.costs.step_time(len(seqs), 0)
+        for seq, drafted, accepted in zip(seqs, report.draft_lens, report.accepted_lens):
+            if drafted or report.width == 1:  # (a row that drafted nothing beside rows that did: no evidence)
+                self.gate.observe(seq.request_id, drafted > 0, 1 + accepted, wall_time, engine_plain)
         if drafting:
             self.global_hits = [h * 0.99 for h in self.global_hits]
             self.global_trials = [t * 0.99 for t in self.global_trials]
@@ -229,4 +321,4 @@ class SpecController:
 
     def forget(self, request_id: str) -> None:
         self.counts.pop(request_id, None)
-        self.realised.pop(request_id, None)
+        self.gate.forget(request_id)

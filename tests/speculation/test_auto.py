@@ -190,29 +190,44 @@ def test_adaptive_auto_shapes_its_own_trees_and_stays_exact(tiny_models, plain_a
     assert llm.controller.delegated and llm.proposer.costs is llm.controller.costs
     for prompt, want, got in zip(prompts, plain, llm.generate(prompts, greedy)):
         assert got.outputs[0].token_ids == want.outputs[0].token_ids, prompt
-    llm.controller.steps_since_draft = 0  # (whether the last steps drafted depends on measured pass times)
+    llm.controller.steps_since_draft = 0  # (whether the last steps drafted depends on measured pass times,
+    llm.controller.gate.start_cap = 4  # and so does the cost gate's last verdict, which a new request starts from)
     assert llm.controller.choose([llm.make_sequence(prompts[0], greedy)]) == 4
     ngram = LLM(str(tiny_models["target"]), dtype="float32",
                 speculative_config={"method": "ngram", "num_speculative_tokens": 4, "adaptive": True})
     assert not ngram.controller.delegated
 
 
+@pytest.mark.parametrize("covered", [None, 0.5])
 @pytest.mark.parametrize("batch", [1, 3])
-def test_a_draft_model_joins_the_tree_and_stays_exact(tiny_models, plain_answers, batch):
+def test_a_draft_model_joins_the_tree_and_stays_exact(tiny_models, plain_answers, batch, covered, monkeypatch):
     """"model" naming a draft checkpoint makes the draft model a source beside prompt lookup and suffix decoding:
     greedy output is plain decoding's, the draft's nodes are accepted (it is a near copy of the target), and its
-    cache follows whatever path the target took, whichever source guessed it."""
+    cache follows whatever path the target took, whichever source guessed it (also when it drafts below the free
+    sources' sure path: COVERED)."""
+    from specdecode.speculation.proposers import auto as auto_module
+
+    monkeypatch.setattr(auto_module, "COVERED", covered)
     prompts, greedy, plain = plain_answers
     llm = LLM(str(tiny_models["target"]), dtype="float32", max_num_seqs=batch,
               speculative_config={"method": "auto", "model": str(tiny_models["draft"]), "num_speculative_tokens": 4,
                                   "adaptive": False})
     assert llm.proposer.names == ["draft_model", "ngram", "suffix"]
     assert llm.proposer.draft_network is llm.proposer.drafter.model
+    drafter, below = llm.proposer.drafter, []
+    propose = drafter.propose
+
+    def noting(seqs, budgets, prefixes=None):
+        below.extend(p for p, b in zip(prefixes or [], budgets) if p and b)
+        return propose(seqs, budgets, prefixes)
+
+    monkeypatch.setattr(drafter, "propose", noting)
     for _ in range(2):
         for prompt, want, got in zip(prompts, plain, llm.generate(prompts, greedy)):
             assert got.outputs[0].token_ids == want.outputs[0].token_ids, prompt
     proposed, accepted = llm.proposer.counts["draft_model"]
     assert accepted > 0.3 * proposed > 0, llm.proposer.counts
+    assert bool(below) == (covered is not None)  # drafted below a free path, when on
 
 
 def test_a_windowed_draft_stays_exact(tiny_models, plain_answers, monkeypatch):
@@ -361,3 +376,41 @@ def test_negative_control_fails(vocab8_rest, monkeypatch):  # noqa: F811
     p_value, _ = chi_square_p(vocab8_rest, auto_rest_config(vocab8_rest), rejection(PARAMS["t0.7_top_p0.9"]),
                               monkeypatch)
     assert p_value < 1e-6
+
+
+def test_a_draft_below_a_guessed_prefix_keeps_its_cache_in_step(tiny_models):
+    """auto hands the draft model the free sources' sure path as a prefix: the draft feeds it, drafts below it, and
+    its tree is that path then its chain. Whatever part of the prefix the target committed (all, some, none) is kept
+    in the draft's cache with the chain's committed nodes below it, and the next drafts are what a fresh draft model
+    would draft."""
+    from specdecode.speculation.config import SpeculativeConfig, build_proposer
+    from specdecode.model.loading import load_model
+    from specdecode.model.tokenizer import Tokenizer
+
+    target = load_model(tiny_models["target"], dtype="float32")
+    config = SpeculativeConfig(method="draft_model", model=str(tiny_models["draft"]), num_speculative_tokens=4)
+    tok = Tokenizer(tiny_models["target"])
+    prompt = tok.encode("def add(a, b):")
+    fresh_chain = None
+    for kept in (3, 1, 0):
+        drafts = [build_proposer(config, target, tok, "float32", "cpu") for _ in range(2)]
+        for proposer in drafts:
+            proposer.ensure_cache(1, 64)
+        seq = SimpleNamespace(request_id="a", token_ids=list(prompt), slot=0, params=SamplingParams(temperature=0))
+        drafts[0].add([seq])
+        if fresh_chain is None:  # what the draft itself would guess: used as a "free source's" prefix
+            fresh_chain = drafts[0].propose([seq], [4])[0].tokens.tolist()
+            drafts[0].pending.clear()
+        prefix = fresh_chain[:2] + [(fresh_chain[2] + 7) % 100]  # two of its own guesses, then another token
+        [tree] = drafts[0].propose([seq], [2], [prefix])
+        assert tree.tokens.tolist()[:3] == prefix and tree.parents == (-1, 0, 1, 2, 3)
+        below = tree.tokens.tolist()[3:]
+        if kept == 3:  # the whole prefix and the draft's first node accepted, then a bonus token it did not guess
+            committed = prefix + below[:1] + [(below[1] + 1) % 100]
+        else:  # part of the prefix, then a token that is not the prefix's next
+            committed = prefix[:kept] + [(prefix[kept] + 1) % 100]
+        seq.token_ids += committed
+        drafts[0].observe([seq], [tree], [None])
+        assert drafts[0].draft_len["a"] == len(seq.token_ids) - 1
+        drafts[1].add([seq])
+        assert drafts[0].propose([seq], [4])[0].tokens.tolist() == drafts[1].propose([seq], [4])[0].tokens.tolist()

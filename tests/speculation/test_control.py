@@ -402,3 +402,128 @@ def test_tree_width_follows_what_a_wide_pass_costs():
     # A head that is never right: no shape pays (the controller then does not draft); the one that loses least is
     # the cheapest, a one-token chain, which is also the cheapest probe.
     assert best_tree_width(cpu, levels, [[0.0] * 6], 5, [1, 2, 4]) == (1, pytest.approx(0.020 / 0.022))
+
+
+def gate_step(controller, seqs, k, wall, accepted=None):
+    """One step at batch len(seqs) that drafted k levels in every row and took `wall` seconds."""
+    accepted = [k if accepted is None else min(k, accepted)] * len(seqs)
+    report = StepReport(1 + k, 0.001 * k, wall, [k] * len(seqs), accepted, draft_depths=[k] * len(seqs))
+    controller.observe(seqs, k, report, wall_time=wall)
+
+
+def test_cost_gate_halves_a_losing_cap_down_to_none_then_probes_with_back_off():
+    """Drafting that yields 2 tokens in 3 plain steps' time: the request's cap goes 5 -> 2 -> 1 -> 0 as each
+    verdict finds it slower than plain; then it decodes plainly and is probed at one level after probe_every plain
+    steps, then after 2x, 4x as many while probes keep losing."""
+    controller = SpecController(synthetic_costs(), MAX_K, probe_every=4)
+    seqs = seqs_of(1)
+    gate_step(controller, seqs, 0, 0.010)
+    caps, probes, plain_run = [], [], 0
+    for _ in range(120):
+        cap = controller.caps(seqs)[0]
+        caps.append(cap)
+        k = min(controller.choose(seqs), cap)
+        if k:
+            if plain_run:
+                probes.append(plain_run)
+            plain_run = 0
+        else:
+            plain_run += 1
+        gate_step(controller, seqs, k, 0.030 if k else 0.010, accepted=1)
+    assert caps[0] == MAX_K
+    assert sorted(set(caps[:20]), reverse=True) == [MAX_K, 2, 1, 0]
+    assert probes[:3] == [4, 8, 16], probes  # plain steps before each probe window
+    assert caps[-1] in (0, 1)
+
+
+def test_cost_gate_settles_where_drafting_pays():
+    """Each level costs 0.6 plain steps and only the first is ever accepted: one level pays (2 tokens in 1.6
+    steps), two or more do not. The gate keeps the cap low, and the request beats plain decoding."""
+    controller = SpecController(synthetic_costs(), MAX_K, probe_every=4)
+    seqs = seqs_of(1)
+    gate_step(controller, seqs, 0, 0.010)
+    tokens = seconds = 0.0
+    caps = []
+    for _ in range(300):
+        k = min(controller.choose(seqs), controller.caps(seqs)[0])
+        caps.append(k)
+        wall = 0.010 * (1 + 0.6 * k)
+        gate_step(controller, seqs, k, wall, accepted=1)
+        tokens += 1 + min(k, 1)
+        seconds += wall
+    assert tokens / seconds > 1.1 / 0.010
+    assert caps[-100:].count(1) > 50 and max(caps[-100:]) <= 2
+
+
+def test_cost_gate_uses_the_requests_own_plain_steps_and_new_requests_start_from_the_last_verdict():
+    """A request with a long context has slow plain steps (20 ms against the engine's 10 ms): drafting at 15 ms a
+    step for 1.5 tokens beats its own plain rate, so it keeps drafting, although it would lose to the engine's.
+    A request that the gate held back hands its cap to the next request."""
+    controller = SpecController(synthetic_costs(), MAX_K, probe_every=4)
+    short, long_ = seqs_of(1), [SimpleNamespace(request_id="long", params=SamplingParams())]
+    gate_step(controller, short, 0, 0.010)
+    gate_step(controller, long_, 0, 0.020)
+    for _ in range(30):
+        gate_step(controller, long_, 2, 0.015 * 2, accepted=2)  # 3 tokens in 30 ms: 1.5 plain steps of 20 ms
+    assert controller.caps(long_) == [2] or controller.caps(long_) == [MAX_K]
+    for _ in range(12):
+        gate_step(controller, short, 2, 0.040, accepted=1)  # 2 tokens in 4 plain steps of 10 ms: losing
+    assert controller.caps(short) == [0]
+    fresh = [SimpleNamespace(request_id="fresh", params=SamplingParams())]
+    assert controller.caps(fresh) == [0] and controller.choose(fresh) == 0
+
+
+def test_cost_gate_caps_each_row_of_a_batch():
+    """In a batch the losing row is held back (DraftBudget caps it) while the others draft."""
+    from specdecode.engine.budget import DraftBudget
+    from specdecode.speculation.config import SpeculativeConfig
+    controller = SpecController(synthetic_costs(), MAX_K, probe_every=4)
+    seqs = seqs_of(2)
+    for s in seqs:
+        s.num_generated, s.token_ids = 0, [1, 2, 3]
+        s.params = SamplingParams(max_tokens=100)
+    gate_step(controller, seqs, 0, 0.010)
+    for _ in range(30):  # row 0 accepts everything, row 1 nothing, in steps of 20 ms: row 1 loses
+        report = StepReport(1 + 3, 0.003, 0.02, [3, 3], [3, 0], draft_depths=[3, 3])
+        controller.observe(seqs, 3, report, wall_time=0.020)
+    caps = controller.caps(seqs)
+    assert caps[0] >= 3 and caps[1] == 0
+    budget = DraftBudget(SpeculativeConfig(method="ngram", num_speculative_tokens=MAX_K), 1000, controller)
+    budgets = budget.for_step(seqs)
+    assert budgets[1] == 0 and budgets[0] > 0
+
+
+def test_cost_gate_times_each_requests_plain_rate_itself():
+    """A request's first decode step is plain, and so is one in every PLAIN_REFRESH drafting steps: the rate drafting
+    must beat is measured on the request, not taken from the cost model (whose overhead may hold the proposer's own
+    work); drafting steps that lose to that measured rate are cut."""
+    from specdecode.speculation.control import PLAIN_REFRESH
+    controller = SpecController(synthetic_costs(), MAX_K, probe_every=4)
+    seqs = seqs_of(1)
+    assert controller.caps(seqs) == [0]  # first: a plain step (DraftBudget gives the row no drafts)
+    gate_step(controller, seqs, 0, 0.010)
+    ks = []
+    for _ in range(2 * PLAIN_REFRESH + 2):
+        k = min(controller.choose(seqs), controller.caps(seqs)[0])
+        ks.append(k)
+        gate_step(controller, seqs, k, 0.008 if k else 0.010, accepted=k)  # drafting pays
+    assert ks[:PLAIN_REFRESH] == [ks[0]] * PLAIN_REFRESH and ks[0] > 0
+    assert ks[PLAIN_REFRESH] == 0 and ks.count(0) == 2
+
+
+def test_cost_gate_carries_its_back_off_to_new_requests():
+    """A method that loses on every request: each new request starts held at 0 with the back-off the last verdict
+    left, so across short requests the probes grow rarer instead of costing every request one probe window."""
+    controller = SpecController(synthetic_costs(), MAX_K, probe_every=4)
+    drafted_steps = []
+    for n in range(8):
+        seqs = [SimpleNamespace(request_id=f"r{n}", params=SamplingParams())]
+        drafted = 0
+        for _ in range(40):  # a short request
+            k = min(controller.choose(seqs), controller.caps(seqs)[0])
+            drafted += k > 0
+            gate_step(controller, seqs, k, 0.030 if k else 0.010, accepted=0)  # drafting never pays
+        controller.forget(seqs[0].request_id)
+        drafted_steps.append(drafted)
+    assert drafted_steps[0] > 0
+    assert sum(drafted_steps[4:]) <= drafted_steps[0] // 2, drafted_steps  # later requests hardly probe

@@ -59,6 +59,12 @@ REQUEST_YIELD_RATE = 0.3
 """Weight of each drafted row in a request's own running mean of it."""
 MIN_VALUE = 0.02
 """Nodes whose path value (expected tokens added) is below this are not verified."""
+COVERED: float | None = None
+"""When set: a free source's path whose every node is worth at least this (the chance it is accepted, its path above
+it included) is what the free sources already cover, and where they serve a row well enough that the draft would not
+be asked (draft_yield), the draft model drafts below that path's end. Off until measured: drafting below a path
+whenever one was worth 0.5, instead of from the root, held auto to 0.88x the best single method on `bench assistant`
+(docs/bench/auto_below_2026-12-05); this additive form (0.7, only where the draft would otherwise sit out) is untimed."""
 
 
 @dataclasses.dataclass
@@ -193,12 +199,20 @@ class AutoProposer:
             at = self.sources.index(self.drafter)
             free = [[DraftTree.empty() if trees_of is None else trees_of[row] for trees_of in per_source]
                     for row in range(len(seqs))]
-            wanted = [b if b > 0 and self._expected(self._merge(seq.request_id, free[row], b), b)
-                      < self.request_yield.get(seq.request_id, self.draft_yield) else 0
-                      for row, (seq, b) in enumerate(zip(seqs, budgets))]
+            wanted, prefixes = [], []
+            for row, (seq, b) in enumerate(zip(seqs, budgets)):
+                merged = self._merge(seq.request_id, free[row], b) if b > 0 else []
+                prefix = []
+                if b > 0 and self._expected(merged, b) < self.request_yield.get(seq.request_id, self.draft_yield):
+                    wanted.append(b)  # the free sources guess too little: the draft drafts from the root
+                else:  # they serve the row: the draft only continues their sure path, where they stop being sure
+                    prefix = (self._covered(merged, b, COVERED) if COVERED is not None and b > 0
+                              and seq.params.greedy else [])
+                    wanted.append(b - len(prefix) if prefix else 0)
+                prefixes.append(prefix)
             self._join_drafter([seq for seq, b in zip(seqs, wanted) if b > 0])
             self.drafter.deeper = self._deeper if self.costs is not None else None
-            per_source[at] = self.drafter.propose(seqs, wanted)
+            per_source[at] = self.drafter.propose(seqs, wanted, prefixes)
         rows = []  # per row: its merged candidates and the best of them, best first
         for row, (seq, budget) in enumerate(zip(seqs, budgets)):
             k = budget
@@ -241,6 +255,22 @@ class AutoProposer:
             miss = math.prod(1.0 - self.rate(request_id, key) for key in node.sources)
             node.value = (1.0 - miss) * (nodes[node.parent].value if node.parent >= 0 else 1.0)
         return nodes
+
+    @staticmethod
+    def _covered(nodes: list[Candidate], k: int, least: float) -> list[int]:
+        """Tokens of the free sources' most valuable path from the root, as long as each node is worth `least` or
+        more (at most k - 1 of them: the draft gets at least a level below)."""
+        path, at = [], -1
+        while len(path) < k - 1:
+            children = [i for i, c in enumerate(nodes) if c.parent == at]
+            if not children:
+                break
+            best = max(children, key=lambda i: nodes[i].value)
+            if nodes[best].value < least:
+                break
+            path.append(nodes[best].token)
+            at = best
+        return path
 
     def _join_drafter(self, seqs) -> None:
         """The draft model prefills a request's tokens the first time it is asked to draft for it, not when the

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
+import math
+import operator
 
 import torch
 
@@ -29,8 +32,8 @@ class DraftModelConfig:
     """Depth K of every draft chain."""
     num_drafts: int = 1
     """Chains per sequence: 1 = a chain, more = a tree branching at the root."""
-    draft_vocab: int | None = None
-    """Draft only tokens with ids below this (the draft's output head keeps those rows: see draft_head)."""
+    draft_vocab: list[int] | None = None
+    """Draft only these token ids (the draft's output head keeps their rows: see draft_head); None = every token."""
 
     def __post_init__(self):
         if self.num_speculative_tokens < 1:
@@ -47,6 +50,7 @@ class _Pending:
     padded_tail: int
     chains: list[list[int]]  # the tokens of each chain, every level drafted (also past the sequence's budget)
     fed_depth: int  # levels whose tokens went through the draft model (their keys and values are in the cache)
+    prefix: list[int] = dataclasses.field(default_factory=list)  # guessed tokens fed after the tail (see propose)
 
 
 CONFIDENCE_EDGES = (0.2, 0.35, 0.5, 0.65, 0.8, 0.9, 0.95, 0.99)
@@ -229,26 +233,31 @@ class DraftModelProposer:
         return tokens, q
 
     @torch.no_grad()
-    def propose(self, seqs, budgets: list[int]) -> list[DraftTree]:
+    def propose(self, seqs, budgets: list[int], prefixes: list[list[int]] | None = None) -> list[DraftTree]:
+        """prefixes (from `auto`): per row, tokens another source guessed, fed to the draft after the committed ones
+        so that it drafts `budgets` levels below them; the row's tree is that path, then the draft's chains."""
         trees = [DraftTree.empty() for _ in seqs]
         rows = [i for i, b in enumerate(budgets) if b > 0]
         if not rows:
             return trees
+        prefixes = prefixes or [[] for _ in seqs]
         # Greedy and sampled requests are drafted in separate batches (greedy needs no probabilities).
         for greedy in (True, False):
             group = [i for i in rows if seqs[i].params.greedy == greedy]
             if group:
-                for i, tree in zip(group, self._draft([seqs[i] for i in group], [budgets[i] for i in group], greedy)):
+                for i, tree in zip(group, self._draft([seqs[i] for i in group], [budgets[i] for i in group], greedy,
+                                                      [list(prefixes[i]) for i in group])):
                     trees[i] = tree
         return trees
 
-    def _draft(self, seqs, budgets: list[int], greedy: bool) -> list[DraftTree]:
+    def _draft(self, seqs, budgets: list[int], greedy: bool, prefixes: list[list[int]]) -> list[DraftTree]:
         device = self.model.device
         width = self.config.num_drafts
         K = min(max(budgets), self.config.num_speculative_tokens)
         B = len(seqs)
         slots = torch.tensor([s.slot for s in seqs])
-        tails = [s.token_ids[self.draft_len[s.request_id]:] for s in seqs]
+        committed_tails = [s.token_ids[self.draft_len[s.request_id]:] for s in seqs]
+        tails = [t + p for t, p in zip(committed_tails, prefixes)]  # a guessed path is fed as if committed
         tail_lens = torch.tensor([len(t) for t in tails])  # [B]
         padded_tail = int(tail_lens.max())
         tail_ids = torch.tensor([t + [0] * (padded_tail - len(t)) for t in tails], device=device)  # [B, Tt]
@@ -257,10 +266,18 @@ class DraftModelProposer:
         tokens, q = self._pick(root_logits, seqs, greedy, width, 0)  # [B, w], [B, w, V]
         level_tokens, level_q = [tokens], [q]
         scored = self.scores_nodes  # (only auto reads the draft's probabilities: a plain draft skips their softmax)
+        prefix_p = [[] for _ in seqs]  # per row, the draft's probability of each prefix token given those before
         if scored:
+            for b, prefix in enumerate(prefixes):
+                if prefix:
+                    start = len(committed_tails[b]) - 1
+                    rows = out.logits[b, start:start + len(prefix)].float().softmax(-1)  # [P, V]
+                    prefix_p[b] = rows.gather(-1, torch.tensor(prefix, device=device)[:, None])[:, 0].tolist()
+            reach = torch.tensor([math.prod(p) for p in prefix_p], device=device)  # [B] P(the whole prefix)
             level_p = [_token_probs(root_logits, q, tokens)]  # [B, w] each node's probability under the draft
-            chain_p = level_p[0]  # [B, w] each chain's probability so far
-            expected = B + float(chain_p.max(1).values.sum())
+            chain_p = reach[:, None] * level_p[0]  # [B, w] each chain's probability so far, prefix included
+            expected = B + sum(sum(itertools.accumulate(p, operator.mul)) for p in prefix_p) \
+                + float(chain_p.max(1).values.sum())
         # Level d nodes sit at position length + tail_len + d - 1; each chain sees the real tail and its own nodes.
         base_pos = (self.cache.lengths[slots] + tail_lens).to(device)  # [B]
         tail_visible = (torch.arange(padded_tail)[None, :] < tail_lens[:, None]).to(device)  # [B, Tt]
@@ -285,19 +302,30 @@ class DraftModelProposer:
         K = len(level_tokens)
         all_tokens = torch.stack(level_tokens, dim=2).cpu()  # [B, w, K]
         all_q = None if greedy else torch.stack(level_q, dim=2)  # [B, w, K, V] (V: the draft head's rows)
-        if all_q is not None and all_q.shape[-1] < self.vocab_size:  # tokens the head leaves out: q = 0
-            all_q = torch.nn.functional.pad(all_q, (0, self.vocab_size - all_q.shape[-1]))
         classes = (torch.bucketize(torch.stack(level_p, dim=2).cpu(), torch.tensor(CONFIDENCE_EDGES), right=True)
                    if scored else None)  # [B, w, K]
         trees = []
         for b, seq in enumerate(seqs):
             k = min(budgets[b], K)
-            parents = [-1 if d == 0 else c * k + d - 1 for c in range(width) for d in range(k)]
-            probs = None if all_q is None else all_q[b, :, :k].reshape(width * k, -1)
-            trees.append(DraftTree(all_tokens[b, :, :k].reshape(-1), tuple(parents), probs,
-                                   node_confidence=None if classes is None
-                                   else tuple(classes[b, :, :k].reshape(-1).tolist())))
-            self.pending[seq.request_id] = _Pending(int(tail_lens[b]), padded_tail, all_tokens[b].tolist(), K - 1)
+            prefix = prefixes[b]
+            P = len(prefix)
+            top = P - 1  # the node the chains hang from (-1: the last committed token)
+            parents = list(range(-1, P - 1)) + [top if d == 0 else P + c * k + d - 1
+                                                 for c in range(width) for d in range(k)]
+            tokens = torch.cat([torch.tensor(prefix, dtype=all_tokens.dtype), all_tokens[b, :, :k].reshape(-1)])
+            probs = None
+            if all_q is not None:  # a guessed prefix is one-hot under the draft's q
+                probs = all_q[b, :, :k].reshape(width * k, -1)
+                if P:
+                    probs = torch.cat([torch.nn.functional.one_hot(torch.tensor(prefix, device=probs.device),
+                                                                   probs.shape[-1]).to(probs.dtype), probs])
+            confidence = None
+            if classes is not None:
+                confidence = tuple(torch.bucketize(torch.tensor(prefix_p[b]), torch.tensor(CONFIDENCE_EDGES),
+                                                   right=True).tolist()) + tuple(classes[b, :, :k].reshape(-1).tolist())
+            trees.append(DraftTree(tokens, tuple(parents), probs, node_confidence=confidence))
+            self.pending[seq.request_id] = _Pending(len(committed_tails[b]), padded_tail, all_tokens[b].tolist(),
+                                                    K - 1, prefix)
         return trees
 
     def observe(self, seqs, trees, results) -> None:
@@ -313,12 +341,16 @@ class DraftModelProposer:
                 continue
             # the step's tokens but the new pending one, which the next step feeds to get its logits
             committed = seq.token_ids[self.draft_len[seq.request_id] + info.tail_len:-1]
+            kept_prefix = common_prefix(info.prefix, committed)  # a guessed prefix sits right after the tail
             chain, fed = 0, 0
-            for c, tokens in enumerate(info.chains):
-                n = common_prefix(tokens[:info.fed_depth], committed)
-                if n > fed:
-                    chain, fed = c, n
-            offsets = list(range(info.tail_len)) + [info.padded_tail + width * d + chain for d in range(fed)]
+            if kept_prefix == len(info.prefix):
+                below = committed[kept_prefix:]
+                for c, tokens in enumerate(info.chains):
+                    n = common_prefix(tokens[:info.fed_depth], below)
+                    if n > fed:
+                        chain, fed = c, n
+            offsets = (list(range(info.tail_len + kept_prefix))
+                       + [info.padded_tail + width * d + chain for d in range(fed)])
             rows.append(seq.slot)
             kept.append(offsets)
             n_kept.append(len(offsets))
@@ -340,29 +372,67 @@ def _token_probs(logits: torch.Tensor, q: torch.Tensor | None, tokens: torch.Ten
     return probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
-DRAFT_VOCAB = 65536
-"""A quantized draft whose vocabulary is over twice this drafts only tokens with ids below it. A draft's output head
-is a large share of its step (Qwen2.5-Coder-0.5B: 151,936 x 896 in Q8_0, 144 of the 394 MB a step reads), and
-byte-level BPE vocabularies number their tokens in merge order, most frequent first: the first 32,768 ids cover
-92-97% of the 1.5B's greedy answers to four code prompts, and 94% / 98% of stdlib Python (json, email, asyncio)
-for 32,768 / 65,536 ids. Measured on two code prompts (the 1.5B with the 0.5B drafting 4, one thread, Zen 4): whole
-head 1.11x / 1.11x plain, 64k rows 1.14x / 1.16x, 32k rows 1.08x / 1.14x (acceptance 75% -> 62% on the first). A
-token the draft cannot propose only ends that chain early; the verifier, which sees every token, keeps the output
-exactly the target's (sampled drafts: q is 0 beyond the head, a valid draft distribution)."""
+DRAFT_VOCAB = 32768
+"""A quantized draft whose vocabulary is over twice this drafts only this many tokens: the most frequent in the
+target's own outputs (the shipped ranking for its vocabulary, catalog/token_ranks.py), else the lowest ids (byte-level
+BPE numbers tokens in merge order, most frequent first). A draft's output head is a large share of its step
+(Qwen2.5-Coder-0.5B: 151,936 x 896 in Q8_0, 144 of the 394 MB a step reads). A token the draft cannot propose only
+ends that chain early; the verifier, which sees every token, keeps the output exactly the target's (sampled drafts: q
+is 0 beyond the head, a valid draft distribution). Measured for the 0.5B drafting for the 1.5B (held-out code prompts,
+depth-1 agreement with the 1.5B's greedy token / one draft level, Intel Xeon VM, one thread, loaded): whole head
+0.944 / 33.2 ms, the ranking's first 32,768 0.917 / 23.9 ms, 65,536 0.937 / 27.3 ms; the lowest 65,536 ids (the rule
+before) 0.892 / 27.4 ms. At 32k the head's share is ~1 ms of the level (8k: 22.7 ms, 0.773): more tokens than that
+buy little acceptance, fewer lose it (docs/bench/draft_vocab_2026-12-05)."""
 
 
-def draft_head(head, rows: int):
-    """The first `rows` output rows of a draft's head (a block-quantized QuantLinear keeps its bytes; else None:
-    the head stays whole)."""
+class SubsetHead(torch.nn.Module):
+    """A draft's output head that scores only `ids` (its own rows of the head, kept once at load) and gives every
+    other token a logit of -inf, so that everything after it (top-k, softmax, sampling, races) sees the whole
+    vocabulary and never picks a token outside the set."""
+
+    def __init__(self, rows: torch.nn.Module, ids: torch.Tensor, vocab_size: int):
+        super().__init__()
+        self.rows = rows
+        self.register_buffer("ids", ids)  # [N] ascending: the vocabulary id of each of rows' outputs
+        self.vocab_size = vocab_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = self.rows(x)  # [..., N]
+        logits = scores.new_full((*scores.shape[:-1], self.vocab_size), float("-inf"))  # [..., V]
+        return logits.index_copy_(-1, self.ids, scores)
+
+
+def draft_head(head, ids: list[int]):
+    """The head restricted to `ids` (a SubsetHead over copies of their rows; a block-quantized head keeps its
+    format); a head with a bias, or whose vocabulary holds no more than these, is returned as it is."""
     from specdecode.model.quant import QuantLinear
-    if not isinstance(head, QuantLinear) or head.out_features <= rows or head.bias is not None:
+    if head.bias is not None or head.out_features <= len(ids):
         return head
-    parts, left = [], rows
-    for fmt, weight in zip(head.formats, head.qweights):
-        if left > 0:
-            parts.append((fmt, weight[:left]))
-            left -= min(left, weight.shape[0])
-    return QuantLinear(parts, head.in_features, rows, None, head.value_dtype)
+    ids_t = torch.tensor(sorted(set(ids)), dtype=torch.long)  # (QuantLinear runs on the CPU)
+    if isinstance(head, QuantLinear):
+        parts, start = [], 0
+        for fmt, weight in zip(head.formats, head.qweights):
+            mine = ids_t[(ids_t >= start) & (ids_t < start + weight.shape[0])] - start
+            if len(mine):
+                parts.append((fmt, weight[mine]))
+            start += weight.shape[0]
+        rows = QuantLinear(parts, head.in_features, len(ids_t), None, head.value_dtype)
+    else:
+        rows = torch.nn.Linear(head.in_features, len(ids_t), bias=False, dtype=head.weight.dtype,
+                               device=head.weight.device)
+        rows.weight.data.copy_(head.weight.data[ids_t.to(head.weight.device)])
+        ids_t = ids_t.to(head.weight.device)
+    return SubsetHead(rows, ids_t, head.out_features)
+
+
+def frequent_tokens(tokenizer, vocab_size: int, n: int) -> list[int]:
+    """The n tokens a draft over this vocabulary keeps: the shipped ranking's first n, else ids 0..n-1."""
+    from specdecode.catalog.token_ranks import ranked_tokens, vocabulary_fingerprint
+
+    ranked = ranked_tokens(vocabulary_fingerprint(tokenizer.get_vocab()))
+    if ranked is None:
+        return list(range(n))
+    return [t for t in ranked if t < vocab_size][:n]
 
 
 def _build(config, context) -> DraftModelProposer:
@@ -384,7 +454,8 @@ def _build(config, context) -> DraftModelProposer:
     if quantization is not None and find_gguf(draft_dir) is not None:
         quantization = "gguf"
     draft = load_model(draft_dir, dtype=context.dtype, device=context.device, quantization=quantization)
-    vocab = DRAFT_VOCAB if quantization is not None and draft_cfg.vocab_size > 2 * DRAFT_VOCAB else None
+    vocab = (frequent_tokens(context.tokenizer, draft_cfg.vocab_size, DRAFT_VOCAB)
+             if quantization is not None and draft_cfg.vocab_size > 2 * DRAFT_VOCAB else None)
     proposer = DraftModelProposer(DraftModelConfig(str(draft_dir), config.num_speculative_tokens, config.num_drafts,
                                                    vocab), draft)
     if quantization == "gguf":  # a GGUF draft's heavier matrices (Q5_0, Q8_0, Q6_K, ...) in Q4_0: a cheaper step
