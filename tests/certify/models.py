@@ -44,7 +44,8 @@ class OneHotTrees(DraftModelProposer):
         rows = [i for i, b in enumerate(budgets) if b > 0]
         trees = [DraftTree.empty() for _ in seqs]
         if rows:
-            drafted = self._draft([seqs[i] for i in rows], [budgets[i] for i in rows], greedy=True)
+            drafted = self._draft([seqs[i] for i in rows], [budgets[i] for i in rows], greedy=True,
+                                  prefixes=[[] for _ in rows])
             for i, tree in zip(rows, drafted):
                 trees[i] = tree
         return trees
