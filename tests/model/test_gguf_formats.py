@@ -273,9 +273,9 @@ def test_qwen3_runs_fused_with_its_q_k_norms(tiny_models, tmp_path):
 
 
 def test_a_draft_with_a_shorter_head_stays_exact(written, monkeypatch):
-    """A quantized draft with a large vocabulary keeps only its first DRAFT_VOCAB output rows (here 100 of the
-    tiny models' vocabulary): it never drafts a token beyond them, so the file drafting for itself now has drafts
-    rejected, and still greedy decoding and seeded sampling (q padded with zeros beyond the head) give plain
+    """A quantized draft with a large vocabulary scores only DRAFT_VOCAB tokens (here 100 of the tiny models'
+    vocabulary, the lowest ids: no shipped ranking for it), the rest at -inf: it never drafts a token beyond them, so
+    the file drafting for itself now has drafts rejected, and still greedy decoding and seeded sampling give plain
     decoding's tokens exactly."""
     from specdecode.speculation.proposers import draft_model
 
@@ -284,8 +284,9 @@ def test_a_draft_with_a_shorter_head_stays_exact(written, monkeypatch):
     plain = LLM(model=target, max_num_seqs=3)
     config = {"method": "draft_model", "model": str(target), "num_speculative_tokens": 3, "adaptive": False}
     llm = LLM(model=target, speculative_config=config, max_num_seqs=3)
-    head = llm.proposer.model.lm_head
-    assert isinstance(head, QuantLinear) and head.out_features == 100 and llm.proposer.vocab_size > 200
+    head = llm.proposer.model.lm_head  # (no shipped ranking for the tiny vocabulary: the lowest ids)
+    assert isinstance(head, draft_model.SubsetHead) and isinstance(head.rows, QuantLinear)
+    assert head.rows.out_features == 100 and torch.equal(head.ids, torch.arange(100)) and head.vocab_size > 200
     reference = plain.generate(SEED_PROMPTS, GREEDY)
     assert any(t >= 100 for o in reference for t in o.outputs[0].token_ids)  # tokens the draft cannot propose
     outputs = llm.generate(SEED_PROMPTS, GREEDY)
