@@ -371,7 +371,7 @@ namespace {
 // per 32 (every format, by default): q [M, K], d and s = d * (the block's integer sum) [M, K / 32] float32, the same
 //   for the block's two halves s_lo, s_hi (Q6_K's scales are per 16), and the integer sum [M, K / 32] int32 (Q8_0
 //   without VNNI);
-// per 256 (the K-quants, where K_BLOCK says so): kq [M, K], kd [M, K / 256] float32, the integer sums of each 32
+// per 256 (the K-quants, where k_block says so): kq [M, K], kd [M, K / 256] float32, the integer sums of each 32
 //   values kx32 [M, K / 32] and of each 16 kx16 [M, K / 16], int16.
 struct Activations {
   int64_t rows = 0, inputs = 0;
@@ -971,7 +971,7 @@ bool wide_vectors = __builtin_cpu_is("intel");
 // (llama.cpp's Q8_K: a float step per super-block, the scales in integers). Measured on Qwen2.5-Coder-1.5B
 // (docs/bench/wide_pass_2026-12-05): 256 costs +1.2% perplexity against the float model (32: +0.02%), past the
 // 0.3% bar, for a pass over 5-16 tokens a few percent cheaper; set_k_activation_block chooses (for measurements).
-int64_t K_BLOCK = 32;
+int64_t k_block = 32;
 
 // Activation rows [r0, r1) against groups [g0, g1) of one packed matrix, into columns of out (row stride ldo; out
 // points at the part's column 0).
@@ -1017,7 +1017,7 @@ torch::Tensor qmatmul_parts(const torch::Tensor& x, const std::vector<torch::Ten
     info(formats[i]);
     parts.push_back(view_packed(packed[i], formats[i], K));
     N += parts.back().rows;
-    (is_k(formats[i]) && K_BLOCK == 256 ? per_256 : per_32) = true;
+    (is_k(formats[i]) && k_block == 256 ? per_256 : per_32) = true;
   }
   auto out = torch::empty({M, N}, torch::kFloat32);
   if (M == 0) return out;
@@ -1138,10 +1138,10 @@ int64_t vector_bits() {
 
 void set_k_activation_block(int64_t values) {
   TORCH_CHECK(values == 32 || values == 256, "the K-quants' activation block is 32 or 256 values, got ", values);
-  K_BLOCK = values;
+  k_block = values;
 }
 
-int64_t k_activation_block() { return K_BLOCK; }
+int64_t k_activation_block() { return k_block; }
 
 void set_vector_bits(int64_t bits) {
 #if defined(__AVX2__) && WIDE
