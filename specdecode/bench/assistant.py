@@ -270,16 +270,21 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def cmd_bench_assistant(args) -> int:
-    """`specdecode bench assistant`."""
+def draft_for(model: str, draft: str | None) -> str:
+    """The draft a pair benchmark runs: the one given, else the target's catalog draft, else a one-line error."""
     from specdecode.catalog.registry import default_speculative_config
 
-    draft = args.draft or (default_speculative_config(args.model) or {}).get("model")
+    draft = draft or (default_speculative_config(model) or {}).get("model")
     if not draft:
-        raise ConfigError(f"{args.model} has no default draft model; pass --draft (a model name, .gguf or checkpoint "
+        raise ConfigError(f"{model} has no default draft model; pass --draft (a model name, .gguf or checkpoint "
                           "with its tokenizer)")
-    config = AssistantConfig(args.model, draft, args.llama_cpp, tuple(args.threads), args.prompts, args.max_tokens,
-                             args.num_speculative_tokens, args.dtype)
+    return draft
+
+
+def cmd_bench_assistant(args) -> int:
+    """`specdecode bench assistant`."""
+    config = AssistantConfig(args.model, draft_for(args.model, args.draft), args.llama_cpp, tuple(args.threads),
+                             args.prompts, args.max_tokens, args.num_speculative_tokens, args.dtype)
     start = time.perf_counter()
     result = run_assistant(config)
     result["seconds"] = time.perf_counter() - start

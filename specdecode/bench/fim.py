@@ -354,12 +354,9 @@ def render_markdown(result: dict) -> str:
 
 def cmd_bench_fim(args) -> int:
     """`specdecode bench fim`."""
-    from specdecode.catalog.registry import default_speculative_config
+    from specdecode.bench.assistant import draft_for
 
-    draft = args.draft or (default_speculative_config(args.model) or {}).get("model")
-    if not draft:
-        raise ConfigError(f"{args.model} has no default draft model; pass --draft")
-    config = FimBenchConfig(args.model, draft, args.llama_cpp, args.edits, args.max_tokens,
+    config = FimBenchConfig(args.model, draft_for(args.model, args.draft), args.llama_cpp, args.edits, args.max_tokens,
                             args.num_speculative_tokens, args.threads)
     start = time.perf_counter()
     result = run_fim(config)

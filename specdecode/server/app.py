@@ -10,6 +10,7 @@ rendering and tokenisation run in worker threads, so a heavy request never stall
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -456,16 +457,8 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
                 all_logprobs += logprobs
             return "".join(parts), finish, all_logprobs
 
-        watcher = asyncio.create_task(_abort_on_disconnect(request, stream))
-        try:
+        async with _watched(request, stream):
             text, finish, logprobs = await collect()
-        except RequestAborted:
-            raise APIError(499, "the client closed the request") from None
-        except (RequestFailed, EngineDead) as exc:
-            raise APIError(500, str(exc), type="server_error") from None
-        finally:
-            watcher.cancel()
-            stream.abort()
         return finished(text, finish, probabilities(logprobs))
 
     def token_text(token: int) -> str:
@@ -584,22 +577,13 @@ async def _abort_on_disconnect(request: Request, stream: RequestStream) -> None:
     stream.abort()
 
 
-async def _collect(stream: RequestStream, request: Request) -> tuple[str, str | None, dict, list]:
-    """Whole text, finish reason, usage and token logprobs (empty unless asked for) of a non-streaming request;
-    aborts it if the client disconnects."""
-
-    async def watch_disconnect():
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-        stream.abort()
-
-    watcher = asyncio.create_task(watch_disconnect())
-    parts, logprobs, last = [], [], None
+@contextlib.asynccontextmanager
+async def _watched(request: Request, stream: RequestStream):
+    """A non-streamed request's life: aborted if the client disconnects, the engine's failures as HTTP errors (499,
+    500), the request released at the end whatever happened."""
+    watcher = asyncio.create_task(_abort_on_disconnect(request, stream))
     try:
-        async for delta in stream:
-            parts.append(delta.text)
-            logprobs.extend(delta.logprobs or [])
-            last = delta
+        yield
     except RequestAborted:
         raise APIError(499, "the client closed the request") from None
     except (RequestFailed, EngineDead) as exc:
@@ -607,4 +591,15 @@ async def _collect(stream: RequestStream, request: Request) -> tuple[str, str | 
     finally:
         watcher.cancel()
         stream.abort()
+
+
+async def _collect(stream: RequestStream, request: Request) -> tuple[str, str | None, dict, list]:
+    """Whole text, finish reason, usage and token logprobs (empty unless asked for) of a non-streaming request;
+    aborts it if the client disconnects."""
+    parts, logprobs, last = [], [], None
+    async with _watched(request, stream):
+        async for delta in stream:
+            parts.append(delta.text)
+            logprobs.extend(delta.logprobs or [])
+            last = delta
     return "".join(parts), last.finish_reason, _usage(last.prompt_tokens, last.completion_tokens), logprobs
