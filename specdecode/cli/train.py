@@ -263,6 +263,10 @@ def register(sub) -> None:
         p.add_argument("--draft-hidden", type=POSITIVE, default=256, help="draft: width (embedding = the target's, "
                        "projected onto its top principal directions)")
         p.add_argument("--draft-layers", type=POSITIVE, default=2, help="draft: decoder layers")
+        p.add_argument("--draft-init", default=None,
+                       help="draft: start from this model (a name or checkpoint with the target's tokenizer, e.g. "
+                            "qwen2.5-coder-0.5b-instruct) cut to --draft-layers layers (its first ones and its last) "
+                            "instead of a fresh small model; its embedding and head stay as they are")
         p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
         p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True,
                        help="bfloat16 autocast (this CPU's bf16 dot products); --no-bf16 for float32")

@@ -101,12 +101,30 @@ def _greedy_ranks(kind, head, batch, t2d, target, loss_cfg) -> list[torch.Tensor
     return ranks
 
 
+def _draft_init(args) -> Path | None:
+    """The checkpoint --draft-init names, after checking that it can start this target's draft (None without it)."""
+    from specdecode.catalog.registry import resolve_model
+    from specdecode.model.loading import read_config
+
+    if not getattr(args, "draft_init", None):
+        return None
+    init = resolve_model(args.draft_init)
+    config, target = read_config(init), read_config(args.model)
+    if config.vocab_size != target.vocab_size:
+        raise ConfigError(f"--draft-init {args.draft_init} scores {config.vocab_size} tokens, the target "
+                          f"{target.vocab_size}: start from a model with the target's tokenizer")
+    if args.draft_layers > config.num_hidden_layers:
+        raise ConfigError(f"--draft-layers {args.draft_layers}: --draft-init {args.draft_init} has "
+                          f"{config.num_hidden_layers} decoder layers; keep at most that many")
+    return Path(init)
+
+
 def run(args) -> int:
     """Train one head as `args` says and write its speculator directory."""
     from specdecode.model.loading import load_model, read_config, resolve_device
     from specdecode.model.tokenizer import Tokenizer
     from specdecode.speculation.heads import EagleHead, HeadConfig, MedusaHeads, save_head
-    from specdecode.train.heads import draft_from_target
+    from specdecode.train.heads import draft_from_model, draft_from_target
 
     from specdecode.catalog.registry import resolve_model
 
@@ -118,6 +136,7 @@ def run(args) -> int:
     data_path = speculators.resolve_data(args.data)
     feature_layers = tuple(args.feature_layers or ()) if kind == "eagle" else ()
     last = read_config(args.model).num_hidden_layers - 1
+    init = _draft_init(args) if kind == "draft" else None  # checked before the slow work
     extra = tuple(sorted(set(feature_layers) - {last}))
     shards = _feature_cache(args, tokenizer, data_path, args.features, args.max_tokens, False, extra)
     held = _feature_cache(args, tokenizer, data_path, args.features / "heldout", args.heldout_tokens, True, extra)
@@ -125,7 +144,10 @@ def run(args) -> int:
     digest = weights_digest(target)
     target = target.to(args.device)
     torch.manual_seed(args.seed)
-    if kind == "draft":  # a whole model in the target's vocabulary
+    if init is not None:  # a smaller model of the family, cut to its first layers and its last
+        d2t = torch.arange(target.config.vocab_size)
+        head = draft_from_model(load_model(init, dtype="float32", device="cpu"), args.draft_layers)
+    elif kind == "draft":  # a whole model in the target's vocabulary
         d2t = torch.arange(target.config.vocab_size)
         head = draft_from_target(target, args.draft_hidden, args.draft_layers, 4 * args.draft_hidden)
     else:

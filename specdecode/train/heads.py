@@ -174,6 +174,40 @@ def draft_from_target(target, hidden: int, layers: int, intermediate: int):
     return draft
 
 
+def shallow_layers(total: int, keep: int) -> list[int]:
+    """Which of a model's `total` decoder layers a `keep`-layer copy of it keeps: the first keep - 1 and the last
+    (the last maps the stack's output into the space the final norm and head read, which the layers before it do not:
+    the 0.5B cut to its first 16 of 24 layers agreed with the 1.5B on 4% of tokens, docs/bench/draft_vocab_2026-12-05)."""
+    if not 1 <= keep <= total:
+        raise ValueError(f"--draft-layers {keep}: the initial model has {total} decoder layers; keep 1 to {total}")
+    return list(range(keep - 1)) + [total - 1]
+
+
+def cut_layers(model, keep: int):
+    """`model` with only `keep` of its decoder layers (shallow_layers), renumbered for a cache of the new depth."""
+    import dataclasses as dc
+
+    kept = shallow_layers(model.config.num_hidden_layers, keep)
+    model.model.layers = torch.nn.ModuleList(model.model.layers[i] for i in kept)
+    for new, layer in enumerate(model.model.layers):  # each layer's cache row is its position in the stack
+        layer.self_attn.layer_idx = new
+    model.config = dc.replace(model.config, num_hidden_layers=keep)
+    model.__dict__.pop("_fused_layers", None)
+    return model
+
+
+def draft_from_model(model, keep: int, train_embeddings: bool = False):
+    """A draft that starts as `model` (a smaller model of the target's family, float weights) cut to `keep` decoder
+    layers (cut_layers), to be distilled on the target's distributions; its embedding (and a head tied to it) stays
+    as it is unless train_embeddings (the layers have the most to relearn, and a 151,936-token head is most of a
+    step's gradient work)."""
+    model = cut_layers(model, keep).requires_grad_(True)
+    if not train_embeddings:
+        model.model.embed_tokens.requires_grad_(False)
+        model.lm_head.requires_grad_(False)
+    return model
+
+
 EAGLE_INITS = ("random", "last-layer")
 """How an EAGLE head's decoder layer starts: random (as EAGLE does), or a copy of the target's last decoder layer
 with fc passing the token's embedding plus the normed feature (the layer then starts out as the computation that

@@ -248,3 +248,59 @@ def test_draft_distillation_learns_and_saves_a_loadable_checkpoint(cache, tiny_m
     from specdecode.speculation.compat import check_compatible
 
     check_compatible(tok, Tokenizer(tmp_path / "draft"), target.config, loaded.config)
+
+
+def test_a_draft_started_from_a_smaller_model_keeps_its_first_layers_and_its_last(cache, tiny_models):
+    """--draft-init: the kept layers are the initial model's own (first ones, then its last), renumbered for a cache
+    of the new depth; embedding and tied head frozen; distillation on the target's distributions lowers the loss."""
+    from specdecode.train.heads import draft_from_model, draft_loss, shallow_layers
+
+    assert shallow_layers(24, 12) == list(range(11)) + [23]
+    assert shallow_layers(3, 1) == [2]
+    with pytest.raises(ValueError, match="keep 1 to 3"):
+        shallow_layers(3, 4)
+    _, _, folder = cache
+    shards = features.open_cache(folder)
+    start = load_model(tiny_models["draft"], dtype="float32", device="cpu")
+    original = {i: {k: v.clone() for k, v in layer.state_dict().items()} for i, layer in enumerate(start.model.layers)}
+    draft = draft_from_model(load_model(tiny_models["draft"], dtype="float32", device="cpu"), 2)
+    assert draft.config.num_hidden_layers == 2 and len(draft.model.layers) == 2
+    for new, old in enumerate([0, 2]):
+        assert draft.model.layers[new].self_attn.layer_idx == new
+        for k, v in draft.model.layers[new].state_dict().items():
+            assert torch.equal(v, original[old][k]), (new, k)
+    assert not draft.model.embed_tokens.weight.requires_grad and draft.model.layers[0].mlp.down_proj.weight.requires_grad
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    whole = draft(ids).logits
+    kv = draft.make_cache(1, 8)  # a cached forward of the new depth gives the training forward's logits
+    torch.testing.assert_close(draft(ids, cache=kv).logits, whole, atol=1e-4, rtol=1e-4)
+    t2d = torch.arange(draft.config.vocab_size)
+    opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for step in range(30):
+        loss, _ = draft_loss(draft, features.sample_batch(shards, 64, seed=0, step=step), t2d)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert sum(losses[-5:]) < 0.9 * sum(losses[:5]), losses
+
+
+def test_draft_init_is_checked_before_any_slow_work(tiny_models, monkeypatch):
+    """A --draft-init with another vocabulary, or fewer layers than asked, is a one-line error naming the flag."""
+    import argparse
+    import dataclasses
+
+    from specdecode.model import loading
+    from specdecode.train.head_training import _draft_init
+
+    args = argparse.Namespace(draft_init=str(tiny_models["draft"]), draft_layers=4, model=tiny_models["target"])
+    with pytest.raises(ConfigError, match="--draft-layers 4.*3 decoder layers"):
+        _draft_init(args)
+    args.draft_layers = 2
+    assert _draft_init(args) == tiny_models["draft"]
+    read = loading.read_config
+    monkeypatch.setattr(loading, "read_config", lambda path: dataclasses.replace(read(path), vocab_size=7)
+                        if path == tiny_models["draft"] else read(path))
+    with pytest.raises(ConfigError, match="--draft-init .* scores 7 tokens"):
+        _draft_init(args)
