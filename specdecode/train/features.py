@@ -34,7 +34,7 @@ class Example:
 class Shard:
     """One shard of the cache, memory-mapped. N tokens over S sequences."""
 
-    tokens: np.ndarray  # [N] uint16
+    tokens: np.ndarray  # [N] uint16, or int32 for a vocabulary past 65,536 ids (meta token_dtype)
     is_answer: np.ndarray  # [N] bool
     features: np.ndarray  # [N, D] bfloat16 stored as uint16
     topk_ids: np.ndarray  # [N, K] int32: the target's K most likely next tokens at each position
@@ -53,7 +53,8 @@ class Shard:
 
         extra_layers = tuple(meta.get("extra_layers", ()))
         extra = mm("extra.bin", np.uint16, (n, len(extra_layers), d)) if extra_layers else None
-        return cls(mm("tokens.bin", np.uint16, (n,)), mm("is_answer.bin", np.bool_, (n,)),
+        return cls(mm("tokens.bin", np.dtype(meta.get("token_dtype", "uint16")), (n,)),
+                   mm("is_answer.bin", np.bool_, (n,)),
                    mm("features.bin", np.uint16, (n, d)), mm("topk_ids.bin", np.int32, (n, k)),
                    mm("topk_probs.bin", np.float16, (n, k)), np.load(folder / "offsets.npy"), extra, extra_layers)
 
@@ -126,7 +127,8 @@ def _write_shard(folder: Path, examples: list[Example], outputs: list, hidden: i
     tmp = folder.with_name(folder.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
     lengths = [len(ex.ids) for ex in examples]
-    np.concatenate([np.array(ex.ids, dtype=np.uint16) for ex in examples]).tofile(tmp / "tokens.bin")
+    token_dtype = "uint16" if max(max(ex.ids, default=0) for ex in examples) < 2**16 else "int32"  # Qwen: 151,936
+    np.concatenate([np.array(ex.ids, dtype=token_dtype) for ex in examples]).tofile(tmp / "tokens.bin")
     np.concatenate([np.array(ex.is_answer, dtype=np.bool_) for ex in examples]).tofile(tmp / "is_answer.bin")
     torch.cat([o[0] for o in outputs]).to(torch.bfloat16).view(torch.uint16).numpy().tofile(tmp / "features.bin")
     torch.cat([o[1] for o in outputs]).to(torch.int32).numpy().tofile(tmp / "topk_ids.bin")
@@ -135,7 +137,8 @@ def _write_shard(folder: Path, examples: list[Example], outputs: list, hidden: i
         torch.cat([o[3] for o in outputs]).to(torch.bfloat16).view(torch.uint16).numpy().tofile(tmp / "extra.bin")
     np.save(tmp / "offsets.npy", np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
     (tmp / "meta.json").write_text(json.dumps({"tokens": int(sum(lengths)), "sequences": len(examples),
-                                               "hidden": hidden, "top_k": top_k, "extra_layers": list(extra_layers)}))
+                                               "hidden": hidden, "top_k": top_k, "extra_layers": list(extra_layers),
+                                               "token_dtype": token_dtype}))
     tmp.rename(folder)
 
 
@@ -258,10 +261,11 @@ def sample_batch(shards: list[Shard], batch_tokens: int, seed: int, step: int, m
 def draft_vocabulary(shards: list[Shard], size: int, always: list[int]) -> torch.Tensor:
     """The `size` tokens the target most often predicts (its greedy next token) in the cached answers, plus
     `always` (e.g. EOS), sorted: draft id -> target id."""
-    counts = np.zeros(2**16, dtype=np.int64)
-    for shard in shards:
-        greedy = np.asarray(shard.topk_ids[:, 0])[np.asarray(shard.is_answer)]
-        counts += np.bincount(greedy, minlength=2**16)
+    greedy = [np.asarray(shard.topk_ids[:, 0])[np.asarray(shard.is_answer)] for shard in shards]
+    ids = max([2**16, *(int(g.max()) + 1 for g in greedy if len(g)), *(int(t) + 1 for t in always)])
+    counts = np.zeros(ids, dtype=np.int64)
+    for g in greedy:
+        counts += np.bincount(g, minlength=ids)
     counts[list(always)] = counts.max() + 1
     top = np.argsort(-counts, kind="stable")[:size]
     return torch.from_numpy(np.sort(top)).long()

@@ -304,3 +304,23 @@ def test_draft_init_is_checked_before_any_slow_work(tiny_models, monkeypatch):
                         if path == tiny_models["draft"] else read(path))
     with pytest.raises(ConfigError, match="--draft-init .* scores 7 tokens"):
         _draft_init(args)
+
+
+def test_a_shard_keeps_token_ids_past_65536(tmp_path):
+    """Qwen's vocabulary has 151,936 ids: a shard's tokens (and the draft vocabulary counted from its answers) keep
+    ids past uint16's range; a shard of small ids stays uint16 (and caches written before read as they were)."""
+    import json
+
+    big = [151643, 151644, 3, 70000, 65535]
+    small = [1, 2, 3]
+    for name, ids in (("big", big), ("small", small)):
+        n = len(ids)
+        top = torch.tensor(ids)[:, None].expand(n, 2)
+        outputs = [(torch.zeros(n, 4), top, torch.full((n, 2), 0.5), None)]
+        features._write_shard(tmp_path / name, [features.Example(ids, [True] * n)], outputs, hidden=4, top_k=2)
+        shard = features.Shard.open(tmp_path / name)
+        assert shard.sequence(0)["tokens"].tolist() == ids
+        assert json.loads((tmp_path / name / "meta.json").read_text())["token_dtype"] == (
+            "int32" if name == "big" else "uint16")
+    vocab = features.draft_vocabulary([features.Shard.open(tmp_path / "big")], 3, [151645])
+    assert 151645 in vocab.tolist() and vocab.max() == 151645 and len(vocab) == 3

@@ -1,6 +1,7 @@
 # Record: how the two-core figures of docs/bench/idle_core_2026-12-05/README.md were made.
 """Issue 48 item 3, measured on whole models before building: the 1.5B's one-token step and a draft level of the
-0.5B (as specdecode loads it beside the 1.5B: lightened to Q4_0, its head cut to the ranked 32,768 tokens), each
+0.5B (as specdecode loads it beside the 1.5B: lightened to Q4_0, its head cut to the ranked 32,768 tokens) and
+a pass of the 1.5B over 5 tokens (a chain of 4 verified), each
 with 1 and 2 torch threads, and each at one thread while another process keeps the other core busy with the other
 model's steps (what drafting on the idle core would do). Rounds interleave every case; wall clock; median.
 
@@ -45,8 +46,9 @@ def load(name: str):
     return model, cache
 
 
-def step_ms(model, cache, calls: int = 5) -> float:
-    token = torch.tensor([[42]])
+def step_ms(model, cache, calls: int = 5, width: int = 1) -> float:
+    """Milliseconds of a cached forward of `width` new tokens (1: a step or a draft level; 5: a pass verifying 4)."""
+    token = torch.tensor([[42] * width])
     with torch.inference_mode():
         model(token, cache=cache)
         start = time.perf_counter()
@@ -80,6 +82,9 @@ def main() -> None:
             torch.set_num_threads(threads)
             for name, (model, cache) in models.items():
                 times.setdefault(f"{name} alone, {threads} thread(s)", []).append(step_ms(model, cache))
+            model, cache = models["target"]
+            times.setdefault(f"target 5-token pass alone, {threads} thread(s)", []).append(
+                step_ms(model, cache, width=5))
         os.sched_setaffinity(0, {0})
         torch.set_num_threads(1)
         for name, other in (("target", "draft"), ("draft", "target")):
@@ -88,6 +93,9 @@ def main() -> None:
             time.sleep(0.5)
             model, cache = models[name]
             times.setdefault(f"{name}, 1 thread, other core stepping the {other}", []).append(step_ms(model, cache))
+            if name == "target":
+                times.setdefault("target 5-token pass, 1 thread, other core stepping the draft", []).append(
+                    step_ms(model, cache, width=5))
             busy.kill()
             busy.wait()
         print(f"round {r + 1}/{args.rounds}", file=sys.stderr, flush=True)
