@@ -11,7 +11,7 @@ from pathlib import Path
 from specdecode.cli.types import (MAX_NUM_SEQS, PORT, POSITIVE, SECONDS, SEED, SPECULATIVE_TOKENS, TEMPERATURE,
                                   THREADS, TOKENS, float_range, int_list, int_range)
 from specdecode.catalog.registry import SMALL_MODEL
-from specdecode.errors import CheckpointError, ConfigError
+from specdecode.errors import ConfigError
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -112,10 +112,9 @@ def _checkpoints(args) -> tuple[Path, Path | None]:
     use) and --speculative-model."""
     from specdecode.catalog.registry import resolve_model
 
-    draft = args.speculative_model
-    if draft is not None and not (Path(draft) / "config.json").is_file():
-        raise CheckpointError(f"{draft} has no config.json; pass --speculative-model DIR (a draft checkpoint)")
-    return resolve_model(args.model), draft and Path(draft)
+    # the draft as the target: a catalog name (fetched on first use), a .gguf or a checkpoint directory
+    draft = args.speculative_model and Path(resolve_model(args.speculative_model))
+    return resolve_model(args.model), draft
 
 
 def peers_installed() -> bool:

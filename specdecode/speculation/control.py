@@ -55,6 +55,7 @@ class CostGate:
         if state is None:
             state = self.requests[request_id] = {
                 "cap": self.start_cap, "seconds": 0.0, "tokens": 0.0, "steps": 0,  # drafting steps since the verdict
+                "deepest": 0,  # the most levels one of them drafted
                 "plain": None, "since_plain": 0,  # faded seconds of its own plain steps; drafting steps since one
                 "interval": self.start_interval, "wait": self.start_interval}  # plain steps before a probe at cap 0
         return state
@@ -72,11 +73,11 @@ class CostGate:
         state = self._state(request_id)
         return state["plain"] is None or state["since_plain"] >= PLAIN_REFRESH
 
-    def observe(self, request_id: str, drafted: bool, tokens: int, wall: float, engine_plain: float | None) -> None:
-        """One step of this request: whether it drafted, the tokens it committed, the step's wall time, and the
-        engine's plain step time at the step's batch size (None if unknown)."""
+    def observe(self, request_id: str, depth: int, tokens: int, wall: float, engine_plain: float | None) -> None:
+        """One step of this request: the levels it drafted (0: a plain step), the tokens it committed, the step's
+        wall time, and the engine's plain step time at the step's batch size (None if unknown)."""
         state = self._state(request_id)
-        if not drafted:
+        if not depth:
             kept = state["plain"]
             state["plain"] = wall if kept is None else GATE_DECAY * kept + (1 - GATE_DECAY) * min(wall, 2 * kept)
             state["since_plain"] = 0
@@ -84,6 +85,7 @@ class CostGate:
                 state["wait"] -= 1
             return
         state["since_plain"] += 1
+        state["deepest"] = max(state["deepest"], depth)
         state["seconds"] += wall
         state["tokens"] += tokens
         state["steps"] += 1
@@ -96,15 +98,18 @@ class CostGate:
             return
         probing = state["cap"] == 0 and state["wait"] <= 0
         state["steps"] = 0
-        if ratio < 1.0:  # slower than plain steps would have been: at least halved, more the more it lost
+        if ratio < 1.0:  # slower than plain steps would have been: at least halved, more the more it lost, and
+            # below the deepest draft it judged (a cap above what the controller chose changes nothing: Lookahead
+            # drafting one level under a cap of 4 lost through three verdicts before it stopped)
             if probing:
                 state["interval"] = min(2 * state["interval"], MAX_PROBE_INTERVAL)
-            state["cap"] = min(state["cap"] // 2, int(state["cap"] * ratio))
+            state["cap"] = max(0, min(state["cap"] // 2, int(state["cap"] * ratio), state["deepest"] - 1))
             state["wait"] = state["interval"]
         else:
             state["cap"] = min(self.max_k, max(1, 2 * state["cap"]))
             state["interval"] = self.probe_every
         state["seconds"] = state["tokens"] = 0.0
+        state["deepest"] = 0
         self.start_cap, self.start_interval = state["cap"], state["interval"]
 
     def forget(self, request_id: str) -> None:
@@ -289,15 +294,16 @@ class SpecController:
             b, plain = len(seqs), self.plain_wall.get(len(seqs))
             self.plain_wall[b] = wall_time if plain is None else plain + SCALE_RATE * (wall_time - plain)
         engine_plain = self.plain_wall.get(len(seqs)) or self.costs.step_time(len(seqs), 0)
-        for seq, drafted, accepted in zip(seqs, report.draft_lens, report.accepted_lens):
+        # Levels drafted per row: the trees' depths (a tree's node count need not be a multiple of its levels).
+        depths = report.draft_depths or [d // npl for d in report.draft_lens]
+        for seq, drafted, depth, accepted in zip(seqs, report.draft_lens, depths, report.accepted_lens):
             if drafted or report.width == 1:  # (a row that drafted nothing beside rows that did: no evidence)
-                self.gate.observe(seq.request_id, drafted > 0, 1 + accepted, wall_time, engine_plain)
+                self.gate.observe(seq.request_id, max(depth, 1) if drafted else 0, 1 + accepted, wall_time,
+                                  engine_plain)
         if drafting:
             self.global_hits = [h * 0.99 for h in self.global_hits]
             self.global_trials = [t * 0.99 for t in self.global_trials]
         decay = self.decay
-        # Levels drafted per row: the trees' depths (a tree's node count need not be a multiple of its levels).
-        depths = report.draft_depths or [d // npl for d in report.draft_lens]
         for seq, drafted, depth, accepted in zip(seqs, report.draft_lens, depths, report.accepted_lens):
             counts = self.counts.get(seq.request_id)
             if counts is None:

@@ -527,3 +527,18 @@ def test_cost_gate_carries_its_back_off_to_new_requests():
         drafted_steps.append(drafted)
     assert drafted_steps[0] > 0
     assert sum(drafted_steps[4:]) <= drafted_steps[0] // 2, drafted_steps  # later requests hardly probe
+
+
+def test_a_losing_verdict_cuts_the_cap_below_the_deepest_draft_it_judged():
+    """The controller drafts one level (Lookahead's usual choice) under a gate cap of MAX_K, and those steps lose to
+    plain ones: the first verdict turns drafting off (cap 0), instead of halving a cap that was never reached
+    (MAX_K -> 2 -> 1 -> 0, each verdict another ~7 losing steps)."""
+    controller = SpecController(synthetic_costs(), MAX_K, probe_every=64)
+    seqs = seqs_of(1)
+    gate_step(controller, seqs, 0, 0.010)
+    assert controller.caps(seqs) == [MAX_K]
+    steps = 0
+    while controller.caps(seqs)[0] and steps < 50:
+        gate_step(controller, seqs, 1, 0.016, accepted=0 if steps % 5 else 1)  # ~1.2 tokens per 1.6 plain steps
+        steps += 1
+    assert controller.caps(seqs) == [0] and steps <= 8, steps

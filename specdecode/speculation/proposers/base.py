@@ -110,6 +110,8 @@ class TargetFeatures:
         def pick(hidden: torch.Tensor) -> torch.Tensor:  # [B, W, D] -> [B, A, D]
             if rows is None:
                 return hidden
+            if rows.shape[1] == 1:  # only the root committed (a plain step): position 0 of every row, no gather
+                return hidden[:, :1]
             index = rows.to(hidden.device)
             return hidden[torch.arange(hidden.shape[0], device=hidden.device)[:, None], index]
 
