@@ -298,8 +298,10 @@ class SpecController:
         depths = report.draft_depths or [d // npl for d in report.draft_lens]
         for seq, drafted, depth, accepted in zip(seqs, report.draft_lens, depths, report.accepted_lens):
             if drafted or report.width == 1:  # (a row that drafted nothing beside rows that did: no evidence)
-                self.gate.observe(seq.request_id, max(depth, 1) if drafted else 0, 1 + accepted, wall_time,
-                                  engine_plain)
+                # A delegated proposer's cap is binary (caps()): its halvings are the patience before it stops, and
+                # its trees' depth is its own choice, so the cut below the deepest draft does not apply to it.
+                judged = self.max_k if self.delegated else max(depth, 1)
+                self.gate.observe(seq.request_id, judged if drafted else 0, 1 + accepted, wall_time, engine_plain)
         if drafting:
             self.global_hits = [h * 0.99 for h in self.global_hits]
             self.global_trials = [t * 0.99 for t in self.global_trials]

@@ -542,3 +542,11 @@ def test_a_losing_verdict_cuts_the_cap_below_the_deepest_draft_it_judged():
         gate_step(controller, seqs, 1, 0.016, accepted=0 if steps % 5 else 1)  # ~1.2 tokens per 1.6 plain steps
         steps += 1
     assert controller.caps(seqs) == [0] and steps <= 8, steps
+
+    # A delegated proposer (auto) keeps its patience: the same losing steps halve its cap, MAX_K -> 2, still drafting.
+    controller = SpecController(synthetic_costs(), MAX_K, probe_every=64)
+    controller.delegated = True
+    gate_step(controller, seqs, 0, 0.010)
+    for step in range(8):
+        gate_step(controller, seqs, 1, 0.016, accepted=0 if step % 5 else 1)
+    assert controller.gate.cap(seqs[0].request_id) == MAX_K // 2 and controller.caps(seqs) == [MAX_K]
