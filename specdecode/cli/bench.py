@@ -11,7 +11,7 @@ from pathlib import Path
 from specdecode.cli.types import (MAX_NUM_SEQS, PORT, POSITIVE, SECONDS, SEED, SPECULATIVE_TOKENS, TEMPERATURE,
                                   THREADS, TOKENS, float_range, int_list, int_range)
 from specdecode.catalog.registry import SMALL_MODEL
-from specdecode.errors import ConfigError
+from specdecode.errors import CheckpointError, ConfigError
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -113,7 +113,12 @@ def _checkpoints(args) -> tuple[Path, Path | None]:
     from specdecode.catalog.registry import resolve_model
 
     # the draft as the target: a catalog name (fetched on first use), a .gguf or a checkpoint directory
-    draft = args.speculative_model and Path(resolve_model(args.speculative_model))
+    draft = None
+    if args.speculative_model is not None:
+        try:
+            draft = Path(resolve_model(args.speculative_model))
+        except CheckpointError as error:
+            raise CheckpointError(str(error).replace("--model", "--speculative-model", 1)) from None
     return resolve_model(args.model), draft
 
 

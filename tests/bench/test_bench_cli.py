@@ -132,6 +132,11 @@ def test_config_rejects_bad_input(tiny_models, capsys):
     assert config.methods == ("ngram", "lookahead", "suffix")  # a path brings no shipped speculators
     assert main(["bench", "--model", str(tiny_models["target"] / "missing")]) == 2
     assert "no such file or directory" in capsys.readouterr().err
+    # --speculative-model takes what --model takes (a name, a .gguf, a directory) and its error names it
+    assert main(["bench", "--model", str(tiny_models["target"]), "--speculative-model", "nosuch-draft"]) == 2
+    err = capsys.readouterr().err
+    assert "--speculative-model nosuch-draft: no such file or directory" in err and "--model" not in err.replace(
+        "--speculative-model", "")
 
 
 def test_stdlib_workloads_are_raw_prompts(tiny_models):

@@ -220,9 +220,25 @@ def test_head_losses_train_and_round_trip(cache, tmp_path):
             load_head(tmp_path / kind, target, "0" * 64)
 
 
+def distill_steps(draft, shards, steps: int) -> list[float]:
+    """`steps` AdamW steps of the draft's distillation loss on the cached features (its trainable weights only)."""
+    from specdecode.train.heads import draft_loss
+
+    t2d = torch.arange(draft.config.vocab_size)
+    opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for step in range(steps):
+        loss, _ = draft_loss(draft, features.sample_batch(shards, 64, seed=0, step=step), t2d)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
 def test_draft_distillation_learns_and_saves_a_loadable_checkpoint(cache, tiny_models, tmp_path):
     from specdecode.train.head_training import save_draft
-    from specdecode.train.heads import draft_from_target, draft_loss
+    from specdecode.train.heads import draft_from_target
 
     target, examples, folder = cache
     shards = features.open_cache(folder)
@@ -230,15 +246,7 @@ def test_draft_distillation_learns_and_saves_a_loadable_checkpoint(cache, tiny_m
     torch.manual_seed(0)
     draft = draft_from_target(target, hidden=32, layers=1, intermediate=64)
     assert draft.config.vocab_size == target.config.vocab_size and draft.config.num_hidden_layers == 1
-    t2d = torch.arange(target.config.vocab_size)
-    opt = torch.optim.AdamW(draft.parameters(), lr=1e-2)
-    losses = []
-    for step in range(40):
-        loss, extra = draft_loss(draft, features.sample_batch(shards, 64, seed=0, step=step), t2d)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = distill_steps(draft, shards, 40)
     assert sum(losses[-5:]) < 0.7 * sum(losses[:5]), losses
     tok = Tokenizer(tiny_models["target"])
     save_draft(draft, tok, tmp_path / "draft", "card")
@@ -253,7 +261,7 @@ def test_draft_distillation_learns_and_saves_a_loadable_checkpoint(cache, tiny_m
 def test_a_draft_started_from_a_smaller_model_keeps_its_first_layers_and_its_last(cache, tiny_models):
     """--draft-init: the kept layers are the initial model's own (first ones, then its last), renumbered for a cache
     of the new depth; embedding and tied head frozen; distillation on the target's distributions lowers the loss."""
-    from specdecode.train.heads import draft_from_model, draft_loss, shallow_layers
+    from specdecode.train.heads import draft_from_model, shallow_layers
 
     assert shallow_layers(24, 12) == list(range(11)) + [23]
     assert shallow_layers(3, 1) == [2]
@@ -274,15 +282,7 @@ def test_a_draft_started_from_a_smaller_model_keeps_its_first_layers_and_its_las
     whole = draft(ids).logits
     kv = draft.make_cache(1, 8)  # a cached forward of the new depth gives the training forward's logits
     torch.testing.assert_close(draft(ids, cache=kv).logits, whole, atol=1e-4, rtol=1e-4)
-    t2d = torch.arange(draft.config.vocab_size)
-    opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=1e-2)
-    losses = []
-    for step in range(30):
-        loss, _ = draft_loss(draft, features.sample_batch(shards, 64, seed=0, step=step), t2d)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = distill_steps(draft, shards, 30)
     assert sum(losses[-5:]) < 0.9 * sum(losses[:5]), losses
 
 
