@@ -313,7 +313,7 @@ def test_a_shard_keeps_token_ids_past_65536(tmp_path):
 
     big = [151643, 151644, 3, 70000, 65535]
     small = [1, 2, 3]
-    for name, ids in (("big", big), ("small", small)):
+    for name, ids in (("big", big), ("small", small), ("edge", [7, 65536])):  # 65,536: the first id past uint16
         n = len(ids)
         top = torch.tensor(ids)[:, None].expand(n, 2)
         outputs = [(torch.zeros(n, 4), top, torch.full((n, 2), 0.5), None)]
@@ -321,6 +321,6 @@ def test_a_shard_keeps_token_ids_past_65536(tmp_path):
         shard = features.Shard.open(tmp_path / name)
         assert shard.sequence(0)["tokens"].tolist() == ids
         assert json.loads((tmp_path / name / "meta.json").read_text())["token_dtype"] == (
-            "int32" if name == "big" else "uint16")
+            "uint16" if name == "small" else "int32")
     vocab = features.draft_vocabulary([features.Shard.open(tmp_path / "big")], 3, [151645])
     assert 151645 in vocab.tolist() and vocab.max() == 151645 and len(vocab) == 3
