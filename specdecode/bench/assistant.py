@@ -285,13 +285,25 @@ def cmd_bench_assistant(args) -> int:
     """`specdecode bench assistant`."""
     config = AssistantConfig(args.model, draft_for(args.model, args.draft), args.llama_cpp, tuple(args.threads),
                              args.prompts, args.max_tokens, args.num_speculative_tokens, args.dtype)
+
+    def plotted(result: dict) -> list[Path]:
+        plot(result, args.out / "assistant.png")
+        return [args.out / "assistant.png"]
+
+    return write_run(args.out, lambda: run_assistant(config), render_markdown, plotted)
+
+
+def write_run(out: Path, run, render, extra=None) -> int:
+    """Time `run()`, write its result to out (results.json, report.md from `render`, and whatever `extra(result)`
+    writes, returning the paths), print the report and what was written; the exit code 0."""
     start = time.perf_counter()
-    result = run_assistant(config)
+    result = run()
     result["seconds"] = time.perf_counter() - start
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
-    (args.out / "report.md").write_text(render_markdown(result))
-    plot(result, args.out / "assistant.png")
-    print(render_markdown(result))
-    print(f"wrote {args.out / 'results.json'}, {args.out / 'report.md'}, {args.out / 'assistant.png'}")
+    out.mkdir(parents=True, exist_ok=True)
+    written = [out / "results.json", out / "report.md"]
+    written[0].write_text(json.dumps(result, indent=1) + "\n")
+    written[1].write_text(render(result))
+    written += extra(result) if extra is not None else []
+    print(render(result))
+    print("wrote " + ", ".join(map(str, written)))
     return 0

@@ -26,12 +26,10 @@ import ast
 import dataclasses
 import gc
 import hashlib
-import json
 import random
 import re
 import statistics
 import sysconfig
-import time
 from pathlib import Path
 
 from specdecode.errors import ConfigError
@@ -354,16 +352,8 @@ def render_markdown(result: dict) -> str:
 
 def cmd_bench_fim(args) -> int:
     """`specdecode bench fim`."""
-    from specdecode.bench.assistant import draft_for
+    from specdecode.bench.assistant import draft_for, write_run
 
     config = FimBenchConfig(args.model, draft_for(args.model, args.draft), args.llama_cpp, args.edits, args.max_tokens,
                             args.num_speculative_tokens, args.threads)
-    start = time.perf_counter()
-    result = run_fim(config)
-    result["seconds"] = time.perf_counter() - start
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
-    (args.out / "report.md").write_text(render_markdown(result))
-    print(render_markdown(result))
-    print(f"wrote {args.out / 'results.json'}, {args.out / 'report.md'}")
-    return 0
+    return write_run(args.out, lambda: run_fim(config), render_markdown)

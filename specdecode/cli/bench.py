@@ -294,6 +294,15 @@ def register_code(sub) -> None:
     p.set_defaults(func=_run("specdecode.bench.code_eval", "cmd_bench_code"))
 
 
+def _pair_args(p, target_help: str, draft_help: str) -> None:
+    """--model, --draft and --llama-cpp of the workloads that race the Qwen pair against llama.cpp."""
+    p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct",
+                   help=f"{target_help} (default qwen2.5-coder-1.5b-instruct)")
+    p.add_argument("--draft", default=None, help=f"{draft_help} (default: the target's catalog draft)")
+    p.add_argument("--llama-cpp", type=Path, default=None, metavar="BIN_DIR",
+                   help="also llama.cpp (a bin directory built by scripts/build_llama_cpp.sh) on the same files")
+
+
 def register_assistant(sub) -> None:
     p = sub.add_parser("assistant", help="a code-assistant workload: ours (plain, draft, lookup, auto) vs llama.cpp "
                                          "(plain, llama-speculative, llama-lookup) on the same GGUF pair",
@@ -304,11 +313,7 @@ def register_assistant(sub) -> None:
                                    "llama-completion, llama-speculative with the same draft and llama-lookup. Writes "
                                    "results.json, report.md and assistant.png to --out (decode tokens/s by category "
                                    "and as ratios to llama.cpp plain; greedy answers checked against our plain).")
-    p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct",
-                   help="the target: a model name or .gguf (default qwen2.5-coder-1.5b-instruct)")
-    p.add_argument("--draft", default=None, help="the draft model (default: the target's catalog draft)")
-    p.add_argument("--llama-cpp", type=Path, default=None, metavar="BIN_DIR",
-                   help="also llama.cpp (a bin directory built by scripts/build_llama_cpp.sh) on the same files")
+    _pair_args(p, "the target: a model name or .gguf", "the draft model")
     p.add_argument("--threads", type=lambda text: [THREADS(t) for t in text.split(",")], default=[1],
                    help="comma-separated thread counts of every engine (default 1)")
     p.add_argument("--prompts", type=int_range(1, 8), default=2, help="requests per category (default 2)")
@@ -331,11 +336,7 @@ def register_fim(sub) -> None:
                                    "auto with the draft (adaptive); with --llama-cpp also llama-completion and "
                                    "llama-lookup on the same tokens. Writes results.json and report.md to --out "
                                    "(exact-match rate of the middle, decode tokens/s, greedy identical to plain).")
-    p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct",
-                   help="the target, a model with FIM tokens (default qwen2.5-coder-1.5b-instruct)")
-    p.add_argument("--draft", default=None, help="auto's draft model (default: the target's catalog draft)")
-    p.add_argument("--llama-cpp", type=Path, default=None, metavar="BIN_DIR",
-                   help="also llama.cpp (a bin directory built by scripts/build_llama_cpp.sh) on the same file")
+    _pair_args(p, "the target, a model with FIM tokens", "auto's draft model")
     p.add_argument("--edits", type=int_range(1, 12), default=9, help="edits, one per module (default 9)")
     p.add_argument("--max-tokens", type=TOKENS, default=128, help="most tokens of a middle (default 128)")
     p.add_argument("--num-speculative-tokens", type=SPECULATIVE_TOKENS, default=8,

@@ -47,3 +47,23 @@ def test_every_configuration_answers_as_plain_decoding(tiny_models, tmp_path, mo
     assert rows[0]["all"]["ratio"] == 1.0 and rows[0]["tests_passed"] == "0/1"  # a random model's code fails
     assert (out / "assistant.png").stat().st_size > 0
     assert "| specdecode auto |" in (out / "report.md").read_text() == render_markdown(result)
+
+
+def test_write_run_times_the_run_and_writes_what_it_reports(tmp_path, capsys):
+    """The one writer of `bench assistant` and `bench fim`: results.json (with the run's seconds), report.md, the
+    extra files, and a line naming every file written."""
+    import json
+
+    from specdecode.bench.assistant import write_run
+
+    def extra(result):
+        (tmp_path / "out" / "plot.png").write_bytes(b"png")
+        return [tmp_path / "out" / "plot.png"]
+
+    assert write_run(tmp_path / "out", lambda: {"rows": [1, 2]}, lambda r: f"# {len(r['rows'])} rows\n", extra) == 0
+    saved = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert saved["rows"] == [1, 2] and saved["seconds"] >= 0
+    assert (tmp_path / "out" / "report.md").read_text() == "# 2 rows\n"
+    printed = capsys.readouterr().out
+    assert "# 2 rows" in printed and all(str(tmp_path / "out" / n) in printed for n in ("results.json", "report.md",
+                                                                                          "plot.png"))
