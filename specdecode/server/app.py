@@ -92,6 +92,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
                                      type="internal_error").body(), status_code=500)
 
     @app.get("/health", responses={503: {"description": "the engine is not running (the reason says why)"}})
+    @app.get("/v1/health", include_in_schema=False)  # llama-server's alias
     async def health():
         problem = engine.health()
         if problem is not None:

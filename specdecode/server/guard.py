@@ -1,5 +1,6 @@
 """ASGI middleware in front of every route: the Host header must be one the server answers to (against DNS
-rebinding), /v1 routes need the API key if one is set, and a POST must be JSON (a web page cannot send that
+rebinding), every route but the few in OPEN_PATHS needs the API key if one is set (in `Authorization: Bearer KEY` or
+llama-server's `X-Api-Key: KEY`), and a POST must be JSON (a web page cannot send that
 cross-origin without a CORS preflight, which this server never grants), no larger than the body limit and sent
 within the body timeout. The body is read here, once, and handed to the route.
 """
@@ -14,6 +15,11 @@ from specdecode.server.limits import ServerLimits, too_large
 from specdecode.server.protocol import APIError
 
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
+
+OPEN_PATHS = frozenset({"/health", "/v1/health", "/dashboard", "/dashboard/dashboard.js"})
+"""What answers without the API key: liveness (as llama-server leaves /health and /v1/health open) and the
+dashboard's page and script, which hold no data (the page asks /dashboard/data, guarded, with the key). Everything
+else - generation, models, metrics, the dashboard's data, the OpenAPI schema, any route added later - needs it."""
 
 
 def host_name(value: str) -> str:
@@ -39,15 +45,16 @@ class Guard:
         try:
             headers = {name: value for name, value in scope["headers"]}
             self._check_host(headers.get(b"host", b"").decode("latin-1"))
-            if scope["path"].startswith("/v1"):
-                self._check_key(headers.get(b"authorization", b""))
+            if scope["path"] not in OPEN_PATHS and scope["method"] != "OPTIONS":  # browsers send no key in a preflight
+                self._check_key(headers)
             if scope["method"] == "POST":
                 body = await self._read_body(headers, receive)
                 if body is None:  # the client went away
                     return
                 receive = _replay(body, receive)
         except APIError as error:
-            response = JSONResponse(error.body(), status_code=error.status)
+            headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
+            response = JSONResponse(error.body(), status_code=error.status, headers=headers)
             return await response(scope, receive, send)
         await self.app(scope, receive, send)
 
@@ -57,13 +64,15 @@ class Guard:
                                 f"--allowed-hosts {host_name(host) or 'HOST'} (or '*') to allow it",
                            code="invalid_host")
 
-    def _check_key(self, authorization: bytes) -> None:
+    def _check_key(self, headers: dict) -> None:
         if self.api_key is None:
             return
-        scheme, _, token = authorization.strip().partition(b" ")
-        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
-            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer KEY'",
-                           code="invalid_api_key")
+        scheme, _, token = headers.get(b"authorization", b"").strip().partition(b" ")
+        if scheme.lower() != b"bearer":
+            token = headers.get(b"x-api-key", b"")
+        if not hmac.compare_digest(token.strip(), self.api_key):
+            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer KEY' or 'X-Api-Key: KEY'",
+                           type="authentication_error", code="invalid_api_key")
 
     async def _read_body(self, headers: dict, receive) -> bytes | None:
         media_type = headers.get(b"content-type", b"").split(b";")[0].strip().lower()

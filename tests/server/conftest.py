@@ -35,7 +35,8 @@ def running_server(llm: LLM, model_name: str = "tiny", api_key: str | None = Non
         assert time.monotonic() < deadline, "the server did not start"
         time.sleep(0.02)
     try:
-        yield SimpleNamespace(url=f"http://127.0.0.1:{port}", port=port, engine=engine, llm=llm, model=model_name)
+        yield SimpleNamespace(url=f"http://127.0.0.1:{port}", port=port, engine=engine, llm=llm, model=model_name,
+                              app=app)
     finally:
         server.should_exit = True
         thread.join(timeout=30)

@@ -326,9 +326,15 @@ function status(text, error) {
   if (error) el.dataset.error = text; else delete el.dataset.error;
 }
 
+// A server started with an API key guards dashboard/data: open the page as /dashboard#key=KEY (a fragment never
+// leaves the browser, so the key reaches no log) and the page sends it as a bearer token.
+const apiKey = new URLSearchParams(globalThis.location ? location.hash.slice(1) : "").get("key");
+const authHeaders = apiKey ? { Authorization: `Bearer ${apiKey}` } : {};
+
 async function poll() {
   try {
-    const response = await fetch("dashboard/data", { cache: "no-store" });
+    const response = await fetch("dashboard/data", { cache: "no-store", headers: authHeaders });
+    if (response.status === 401) throw new Error("the server has an API key: open this page as /dashboard#key=KEY");
     if (!response.ok) throw new Error(`dashboard/data answered ${response.status}`);
     const data = await response.json();
     config = { ...config, ...data, ...overrides };
