@@ -21,6 +21,10 @@ ROW_LENGTHS = {32: [1, 2, 7, 8, 9, 16, 18, 28], 256: [1, 2, 3, 6]}
 """Row lengths tested, in blocks: whole groups of 8 blocks of 32, a partial group, both (28 blocks: the 0.5B's 896
 inputs); a K-quant row is whole super-blocks of 256."""
 
+ACTIVATION_ROWS = (1, 5, 11, 17, 33)
+"""Activation rows of the equality test: one, part of a tile, and two or more tiles with a remainder (tiles are 4, 8
+or 16 rows, split evenly: 17 rows run as 9 + 8), so the second tile's indexing is checked against the reference too."""
+
 
 def gguf_reference(q: torch.Tensor, fmt: str, in_features: int) -> torch.Tensor:
     """gguf's (llama.cpp's Python reader's) dequantization of q [rows, bytes] -> float64 [rows, in_features]."""
@@ -47,9 +51,9 @@ def k_block(request):
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 @pytest.mark.parametrize("simd", [True, False])
 def test_matmul_equals_the_gguf_reference(fmt, simd, k_block):
-    """Every format, every row length tested: the product equals the int8-rounded activations times gguf's
-    dequantised weights to float32 rounding (3e-5 of the largest output), and the lookup of rows equals
-    gguf's dequantization bit for bit."""
+    """Every format, every row length tested, every count of activation rows in ACTIVATION_ROWS: the product equals
+    the int8-rounded activations times gguf's dequantised weights to float32 rounding (3e-5 of the largest output),
+    and the lookup of rows equals gguf's dequantization bit for bit."""
     values = BLOCKS[fmt][0]
     for blocks in ROW_LENGTHS[values]:
         K = blocks * values
@@ -58,13 +62,15 @@ def test_matmul_equals_the_gguf_reference(fmt, simd, k_block):
         reference = gguf_reference(q, fmt, K)
         assert torch.equal(kernels().dequantize_rows(q, FORMATS[fmt], K, torch.arange(37)), reference.float())
         torch.manual_seed(blocks)
-        x = torch.randn(11, K)
-        out = kernels().qmatmul(x, q, FORMATS[fmt], simd)
-        assert out.dtype == torch.float32 and out.shape == (11, 37)
-        expected = kernel_rounded(x, k_block if values == 256 else 32) @ reference.T
-        # float32 sums of up to 1,536 products: the worst over 30 random inputs per format was 1.1e-5 of the
-        # largest output; one wrong block moves it by ~1e-2
-        torch.testing.assert_close(out.double(), expected, rtol=0, atol=3e-5 * expected.abs().max().item())
+        x = torch.randn(max(ACTIVATION_ROWS), K)
+        expected = kernel_rounded(x, k_block if values == 256 else 32) @ reference.T  # [33, 37]
+        for m in ACTIVATION_ROWS:
+            out = kernels().qmatmul(x[:m], q, FORMATS[fmt], simd)
+            assert out.dtype == torch.float32 and out.shape == (m, 37)
+            # float32 sums of up to 1,536 products: the worst over 30 random inputs per format was 1.1e-5 of the
+            # largest output; one wrong block moves it by ~1e-2
+            atol = 3e-5 * expected[:m].abs().max().item()
+            torch.testing.assert_close(out.double(), expected[:m], rtol=0, atol=atol, msg=lambda e: f"{m} rows: {e}")
 
 
 @pytest.mark.parametrize("fmt", sorted(QUANTIZE_FORMATS))
