@@ -83,9 +83,13 @@ def infill_ids(tokenizer, fim: FimTokens, prefix: str, suffix: str, typed: str =
     files (filename, text) before the edited one, then <|fim_prefix|>{prefix}{typed}<|fim_suffix|>{suffix}
     <|fim_middle|> (a BOS the tokenizer adds goes right before <|fim_prefix|>, as there). typed: the text typed so far
     on the cursor's line (the body's "prompt"). The prefix keeps its last PREFIX_TAKE tokens, the suffix its first
-    SUFFIX_TAKE less what typed takes, the files the end of what they give that fits in max_tokens (all of it when
-    None). current_file: the edited file's name (llama.cpp's placeholder by default). Each piece is tokenized on its
-    own, as there (the typed text does not merge with the end of the prefix)."""
+    SUFFIX_TAKE less what typed takes. current_file: the edited file's name (llama.cpp's placeholder by default). Each
+    piece is tokenized on its own, as there (the typed text does not merge with the end of the prefix).
+
+    max_tokens: the most prompt tokens (None: no limit). What does not fit goes in llama.cpp's order of sacrifice:
+    the other files first (the start of what they give: the repository's name and the earliest files), then the
+    prefix (its start, far from the cursor), then the suffix (its end). The special tokens and the typed text always
+    stay, so a prompt may still be longer than max_tokens when those alone are."""
     head = _encode(tokenizer, prefix)[-PREFIX_TAKE:]
     typed_ids = _encode(tokenizer, typed)
     tail = _encode(tokenizer, suffix)[:max(0, SUFFIX_TAKE - 2 - len(typed_ids))]
@@ -100,10 +104,17 @@ def infill_ids(tokenizer, fim: FimTokens, prefix: str, suffix: str, typed: str =
         extra += _encode(tokenizer, text)
     if fim.file_sep is not None:
         extra += [fim.file_sep, *_encode(tokenizer, current_file + "\n")]
-    body = [*_bos(tokenizer), fim.prefix, *head, *typed_ids, fim.suffix, *tail, fim.middle]
     if max_tokens is not None:
-        extra = extra[len(extra) - min(len(extra), max(0, max_tokens - len(body))):]
-    return extra + body
+        room = max(0, max_tokens - len(_bos(tokenizer)) - 3 - len(typed_ids))  # for suffix, prefix, files
+        tail = tail[:room]
+        head = _last(head, room - len(tail))
+        extra = _last(extra, room - len(tail) - len(head))
+    return [*extra, *_bos(tokenizer), fim.prefix, *head, *typed_ids, fim.suffix, *tail, fim.middle]
+
+
+def _last(ids: list[int], n: int) -> list[int]:
+    """The last n ids (none when n <= 0)."""
+    return ids[len(ids) - min(len(ids), max(0, n)):]
 
 
 def _bos(tokenizer) -> list[int]:

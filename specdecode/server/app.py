@@ -40,6 +40,8 @@ from specdecode.server.protocol import (APIError, ChatCompletionRequest, Complet
 
 MAX_PROMPT_CHARS_PER_TOKEN = 64
 """Prompts longer than this many characters per allowed prompt token are refused before tokenisation."""
+INFILL_MIDDLE_SHARE = 0.25
+"""Share of the context an /infill body without n_predict keeps for the middle: its prompt is trimmed to the rest."""
 
 log = logging.getLogger("specdecode.server")
 
@@ -208,9 +210,12 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
             raise bad_request(str(exc), "suffix" if what == "suffix" else "input_prefix") from None
 
     def prepare_native(body: bytes, infill: bool) -> Prepared:
-        """A llama.cpp /completion or /infill body (params None: n_predict 0, nothing to generate)."""
+        """A llama.cpp /completion or /infill body (params None: n_predict 0, nothing to generate). An /infill prompt
+        is trimmed to leave room for n_predict tokens (INFILL_MIDDLE_SHARE of the context without one): the other
+        files go first, then the prefix, then the suffix (model/fim.py infill_ids), as llama.cpp's server fits it."""
         req = parse(InfillRequest if infill else LlamaCompletionRequest, body)
         limits.check_request(req, vocab)
+        asked = req.tokens_asked()
         if infill:
             need_fim("/infill")
             texts = (req.input_prefix, req.input_suffix, req.prompt, *(f.text for f in req.input_extra))
@@ -219,11 +224,11 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
                 raise bad_request(f"the infill body is far longer than the {max_prompt} tokens this server accepts",
                                   "input_extra")
             files = [(f.filename, f.text) for f in req.input_extra]
+            middle = int(INFILL_MIDDLE_SHARE * llm.max_model_len) if asked is None else asked
             ids = tokenize(infill_ids(llm.tokenizer, fim, req.input_prefix, req.input_suffix, req.prompt, files,
-                                      max_tokens=max_prompt))
+                                      max_tokens=min(max_prompt, llm.max_model_len - middle)))
         else:
             ids = tokenize(req.prompt)
-        asked = req.tokens_asked()
         if asked == 0:
             return Prepared(req, ids, None)
         params = native_params(req, len(ids), asked)

@@ -65,6 +65,51 @@ def test_infill_ids_cut_the_prefix_suffix_and_files_as_llama_cpp(fim_models, mon
     assert fim.repo_name not in ids  # the files' start went, their end stayed
 
 
+FILES = [("util.py", "import os\n"), ("b.py", "x = 1\n")]
+
+
+def test_infill_ids_fit_max_tokens_sacrificing_the_files_then_the_prefix_then_the_suffix(fim_models):
+    """At the edges of max_tokens: a prompt that fits exactly is whole; one token over loses the files' first token;
+    many small files or one huge one lose their start (the files nearest the edited one stay, whole); a prefix
+    longer than the room loses every file and its own start; a suffix longer than the room is all that stays of
+    the text, with its start; the special tokens and the typed text stay whatever the limit."""
+    tok = Tokenizer(fim_models["target"])
+    fim = fim_tokens(tok)
+
+    def encode(text: str) -> list[int]:
+        return tok.encode(text, add_special_tokens=False)
+
+    def infill(prefix=PREFIX, suffix=SUFFIX, files=FILES, max_tokens=None) -> list[int]:
+        return infill_ids(tok, fim, prefix, suffix, "return", files, max_tokens=max_tokens)
+
+    whole = infill()
+    body = whole[whole.index(fim.prefix):]  # <|fim_prefix|>...<|fim_middle|>: no files
+    assert infill(max_tokens=len(whole)) == whole and infill(max_tokens=len(whole) + 100) == whole
+    assert infill(max_tokens=len(whole) - 1) == whole[1:] and whole[0] == fim.repo_name
+    assert infill(max_tokens=len(body)) == body
+
+    small = [(f"f{i}.py", f"x{i} = {i}\n") for i in range(200)]
+    huge = [("huge.py", "value = compute(value)\n" * 3000)]
+    for files in (small, huge):
+        full = infill(files=files)
+        fitted = infill(files=files, max_tokens=len(body) + 60)
+        assert len(fitted) == len(body) + 60 and len(full) > 10 * len(fitted)
+        assert fitted == full[len(full) - len(fitted):]
+    last_file = [fim.file_sep, *encode("f199.py\n"), *encode("x199 = 199\n"), fim.file_sep, *encode("filename\n")]
+    assert infill(files=small, max_tokens=len(body) + 60)[-len(body) - len(last_file):-len(body)] == last_file
+
+    typed, prefix_ids, suffix_ids = encode("return"), encode(PREFIX * 200), encode(SUFFIX)
+    assert len(prefix_ids) > fim_module.PREFIX_TAKE > 512
+    fitted = infill(prefix=PREFIX * 200, max_tokens=500)  # longer than a tiny model's whole context
+    kept = 500 - 3 - len(typed) - len(suffix_ids)
+    assert fitted == [fim.prefix, *prefix_ids[-kept:], *typed, fim.suffix, *suffix_ids, fim.middle]
+
+    long_suffix = encode(SUFFIX * 100)
+    fitted = infill(prefix=PREFIX * 200, suffix=SUFFIX * 100, max_tokens=300)
+    assert fitted == [fim.prefix, *typed, fim.suffix, *long_suffix[:300 - 3 - len(typed)], fim.middle]
+    assert infill(max_tokens=2) == [fim.prefix, *typed, fim.suffix, fim.middle]  # nothing left to cut
+
+
 def test_generate_with_a_suffix_decodes_the_fim_prompt_and_stops_at_its_end_tokens(fim_models):
     llm = LLM(fim_models["target"], dtype="float32")
     fim = fim_tokens(llm.tokenizer)

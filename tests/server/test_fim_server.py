@@ -2,15 +2,18 @@
 /infill and /completion with the bodies llama.vscode and Continue's llama.cpp provider send (their sources:
 ggml-org/llama.vscode src/llama-server.ts createRequestPayload; continuedev/continue core/llm/llms/LlamaCpp.ts),
 answered as llama.cpp's server answers (tools/server/server-task.cpp)."""
+import contextlib
 import json
 
 import httpx
 import openai
 import pytest
+import torch
 
-from specdecode.engine.llm import LLM
+from specdecode.engine.llm import LLM, fim_params
 from specdecode.model.fim import fim_ids, fim_tokens, infill_ids
 from specdecode.sampling import SamplingParams
+from specdecode.server.app import INFILL_MIDDLE_SHARE
 from tests.engine.fim_fixtures import fim_models, qwen_coder  # noqa: F401 (fixtures)
 from tests.server.conftest import SpecCounts, running_server
 
@@ -229,3 +232,151 @@ def test_infill_n_indent_ends_the_middle_where_llama_cpp_would(fim_server):
     assert limited["content"] == whole["content"][:cut]
     if cut is not None:
         assert limited["stop_type"] == "limit"
+
+
+END_TOKENS = ["<|endoftext|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"]
+"""The tokens that end a middle besides the EOS (FimTokens.stop_ids of Qwen2.5-Coder's format)."""
+
+
+@contextlib.contextmanager
+def writing(token: int, bias: float, *llms):
+    """The models of these LLMs (target, and draft when there is one) write `token` more readily: `bias` added to its
+    logit by a hook on their output layer, as a model that ends its middles with that token."""
+    handles = []
+    for llm in llms:
+        for model in (llm.target, getattr(llm.proposer, "model", None)):
+            if model is not None:
+                push = torch.zeros(model.config.vocab_size)
+                push[token] = bias
+                handles.append(model.lm_head.register_forward_hook(lambda module, args, logits, push=push:
+                                                                   logits + push))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def least_bias_to_write(llm, ids: list[int], token: int) -> float:
+    """The least bias (in steps of 0.5) under which the greedy continuation of ids, not stopped at the FIM end tokens,
+    writes `token` within 24 tokens."""
+    for bias in [step / 2 for step in range(1, 41)]:
+        with writing(token, bias, llm):
+            if token in llm.generate([ids], SamplingParams(temperature=0, max_tokens=24))[0].outputs[0].token_ids:
+                return bias
+    raise AssertionError(f"no bias up to 20 makes the model write token {token}")
+
+
+@pytest.mark.parametrize("end", END_TOKENS)
+def test_fim_through_the_server_stops_at_each_end_token_as_offline(fim_server, offline, end):
+    """A model pushed to write one of the format's end tokens: suffix on /v1/completions (streamed and not) and
+    /infill (streamed and not) end the middle there, with the text, tokens and finish reason of the offline LLM's
+    FIM call on the same prompt. The server's draft model is pushed the same way, so its drafts can hold the end token
+    too (with draft tokens after it that must not be kept)."""
+    tok = offline.tokenizer
+    fim = fim_tokens(tok)
+    token = tok.get_vocab()[end]
+    greedy = SamplingParams(temperature=0, max_tokens=24)
+
+    ids = fim_ids(tok, fim, PREFIX, SUFFIX)
+    with writing(token, least_bias_to_write(offline, ids, token), offline, fim_server.llm):
+        expected = offline.generate(PREFIX, greedy, suffix=SUFFIX)[0].outputs[0]
+        c = client(fim_server)
+        answer = c.completions.create(model="tiny", prompt=PREFIX, suffix=SUFFIX, max_tokens=24, temperature=0,
+                                      logprobs=1)
+        streamed = list(c.completions.create(model="tiny", prompt=PREFIX, suffix=SUFFIX, max_tokens=24,
+                                             temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert expected.token_ids[-1] == token and expected.finish_reason == "stop"
+    choice = answer.choices[0]
+    assert (choice.text, choice.finish_reason) == (expected.text, "stop")
+    assert answer.usage.completion_tokens == len(expected.token_ids)
+    assert choice.logprobs.tokens == [tok.decode([t]) for t in expected.token_ids]
+    assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices) == expected.text
+    assert [chunk.choices[0].finish_reason for chunk in streamed if chunk.choices][-1] == "stop"
+    assert streamed[-1].usage.completion_tokens == len(expected.token_ids)
+
+    files = [(f["filename"], f["text"]) for f in EXTRA]
+    ids = infill_ids(tok, fim, PREFIX, SUFFIX, "return", files)
+    body = vscode_body(temperature=0, n_predict=24, n_probs=1, n_indent=0, t_max_predict_ms=0)
+    with writing(token, least_bias_to_write(offline, ids, token), offline, fim_server.llm):
+        expected = offline.generate([ids], fim_params(greedy, fim))[0].outputs[0]
+        answer = httpx.post(fim_server.url + "/infill", json=body, timeout=60).json()
+        events = stream_events(fim_server.url + "/infill", {**body, "stream": True})
+    assert expected.token_ids[-1] == token and expected.finish_reason == "stop"
+    assert (answer["content"], answer["stop_type"], answer["stop"]) == (expected.text, "eos", True)
+    assert answer["tokens_predicted"] == len(expected.token_ids)
+    assert [p["id"] for p in answer["completion_probabilities"]] == expected.token_ids
+    assert "".join(e["content"] for e in events) == expected.text
+    assert [p["id"] for e in events[:-1] for p in e["completion_probabilities"]] == expected.token_ids
+    assert events[-1]["stop_type"] == "eos" and events[-1]["tokens_predicted"] == len(expected.token_ids)
+
+
+def stream_events(url: str, body: dict) -> list[dict]:
+    events = []
+    with httpx.stream("POST", url, json=body, timeout=60) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line:
+                events.append(json.loads(line.removeprefix("data: ")))
+    return events
+
+
+REPEATED = "import os\n"
+"""A line of a file, repeated to make files of a known size (7 tokens in the tiny models' vocabulary)."""
+
+
+def fit_case(name: str, tok, fim, context: int) -> tuple[dict, int]:
+    """(an /infill body, its prompt's expected length) for each edge of the fitting."""
+    files = [("big.py", REPEATED * 40)]
+    whole = len(infill_ids(tok, fim, PREFIX, SUFFIX, "return", files))
+    assert context // 2 < whole < context - 8
+    extra = [{"filename": f, "text": t} for f, t in files]
+    if name == "fits exactly":
+        return vscode_body(input_extra=extra, n_predict=context - whole), whole
+    if name == "one token over":
+        return vscode_body(input_extra=extra, n_predict=context - whole + 1), whole - 1
+    if name == "many small files":
+        small = [{"filename": f"f{i}.py", "text": f"x{i} = {i}\n"} for i in range(300)]
+        return vscode_body(input_extra=small, n_predict=32), context - 32
+    if name == "one huge file":
+        return vscode_body(input_extra=[{"filename": "huge.py", "text": REPEATED * 3000}], n_predict=32), context - 32
+    if name == "a prefix longer than the context":
+        return vscode_body(input_prefix=PREFIX * 200, n_predict=32), context - 32
+    if name == "no n_predict":
+        body = vscode_body(input_extra=[{"filename": "huge.py", "text": REPEATED * 3000}])
+        del body["n_predict"]
+        return body, context - int(INFILL_MIDDLE_SHARE * context)
+    raise ValueError(name)
+
+
+@pytest.mark.parametrize("case", ["fits exactly", "one token over", "many small files", "one huge file",
+                                  "a prefix longer than the context", "no n_predict"])
+def test_infill_fits_its_prompt_to_leave_room_for_the_middle(fim_server, offline, case):
+    """An /infill body too long for the context is trimmed (model/fim.py infill_ids: the other files first, then the
+    prefix, then the suffix) to leave room for n_predict tokens, or INFILL_MIDDLE_SHARE of the context without one;
+    never a 400. The answer is the offline greedy middle of the trimmed prompt."""
+    tok = offline.tokenizer
+    fim = fim_tokens(tok)
+    context = fim_server.llm.max_model_len
+    body, length = fit_case(case, tok, fim, context)
+    body.update(temperature=0, n_indent=0, t_max_predict_ms=0)
+    answer = httpx.post(fim_server.url + "/infill", json=body, timeout=120)
+    assert answer.status_code == 200, answer.text
+    answer = answer.json()
+    files = [(f["filename"], f["text"]) for f in body.get("input_extra", [])]
+    ids = infill_ids(tok, fim, body["input_prefix"], body["input_suffix"], body["prompt"], files, max_tokens=length)
+    assert len(ids) == length and answer["tokens_evaluated"] == length
+    assert answer["prompt"] == tok.decode(ids, skip_special_tokens=False)
+    assert answer["prompt"].endswith(f"<|fim_suffix|>{SUFFIX}<|fim_middle|>")
+    expected = greedy_middle(offline, ids, context - length if case == "no n_predict" else body["n_predict"])
+    assert answer["content"] == expected.text and answer["tokens_predicted"] == len(expected.token_ids)
+
+
+def test_infill_bodies_that_cannot_fit_are_400s(fim_server):
+    """What trimming cannot fix: n_predict as long as the context, or typed text (the body's prompt, never cut)
+    longer than it."""
+    context = fim_server.llm.max_model_len
+    answer = httpx.post(fim_server.url + "/infill", json=vscode_body(n_predict=context), timeout=60)
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "n_predict"
+    answer = httpx.post(fim_server.url + "/infill", json=vscode_body(prompt=REPEATED * 200), timeout=60)
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "prompt"
