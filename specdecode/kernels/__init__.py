@@ -17,7 +17,8 @@ import os
 import sys
 from pathlib import Path
 
-SOURCES = [Path(__file__).with_name(name) for name in ("quant.cpp", "layer.cpp", "race.cpp", "quant.h")]
+SOURCES = [Path(__file__).with_name(name)
+           for name in ("quant.cpp", "layer.cpp", "attention.cpp", "race.cpp", "quant.h", "vec.h")]
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"]
 """Compiler flags: this CPU's instruction sets, no fused multiply-adds the source does not write (so that a
 number is computed the same way in every tiling, see quant.cpp), and OpenMP: at::parallel_for is a header

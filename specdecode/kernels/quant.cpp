@@ -1199,6 +1199,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qmatmul_parts", &qmatmul_parts, "x [M, K] @ the stacked dequantized parts .T -> [M, sum N] float32");
   m.def("dequantize_rows", &dequantize_rows, "rows of a quantized matrix as float32");
   m.def("quantize_q4_0", &quantize_q4_0, "float32 [N, K] -> Q4_0 blocks, as gguf's quantizer writes them");
+  m.def("attention", &attention, "a cached forward's attention over the paged KV cache, in place",
+        py::arg("q"), py::arg("keys"), py::arg("values"), py::arg("tables"), py::arg("lengths"), py::arg("pending"),
+        py::arg("visible"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("new_tokens"),
+        py::arg("use_simd") = true);
   m.def("layer_step", &layer_step, "one decoder layer over a cached forward's new tokens, in place");
   m.def("race_argmax", &race_argmax, "a seeded sample per row by the exponential race (Gumbel-max)");
   m.def("has_simd", &has_simd);

@@ -26,3 +26,30 @@ void layer_step(torch::Tensor x, const torch::Tensor& input_norm, const torch::T
                 torch::Tensor keys, torch::Tensor values, const torch::Tensor& tables, const torch::Tensor& lengths,
                 int64_t pending, const c10::optional<torch::Tensor>& visible, int64_t num_heads,
                 int64_t num_kv_heads, int64_t new_tokens);
+
+// The vector width the products (and attention) use: 512, 256, or 0 (scalar).
+int64_t vector_bits();
+
+// One cached forward's attention (attention.cpp): B rows of T new tokens, H query heads over G kv heads of head
+// dim hd; row b's new token t is at lengths[b] + pending + t and sees the committed prefix and the fresh positions
+// that mask[b][t] ([pending + T] bool) marks, or (no mask) the causal ones.
+struct AttentionStep {
+  int64_t B, T, H, G, hd, bs, width, pending, q_stride;
+  const int64_t* table;  // [B, width]
+  const int64_t* length;  // [B]
+  const bool* mask;  // [B, T, pending + T] or null
+};
+
+// Refuses a cache or tables that a step cannot use (tables and lengths int64, contiguous).
+void check_attention_inputs(const torch::Tensor& keys, const torch::Tensor& values, const torch::Tensor& tables,
+                            const torch::Tensor& lengths, int64_t B, int64_t fresh);
+
+// q [B*T rows of q_stride floats, head h at h*hd] -> out [B*T, H*hd], reading keys/values in place.
+void paged_attention(const AttentionStep& step, const torch::Tensor& keys, const torch::Tensor& values,
+                     const float* q, float* out, bool use_simd);
+
+// The same from tensors (for the tests): q [B*T, H*hd] float32 -> [B*T, H*hd].
+torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
+                        const torch::Tensor& tables, const torch::Tensor& lengths, int64_t pending,
+                        const c10::optional<torch::Tensor>& visible, int64_t num_heads, int64_t num_kv_heads,
+                        int64_t new_tokens, bool use_simd);

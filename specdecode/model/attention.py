@@ -1,11 +1,14 @@
-"""Attention of one forward's new tokens over the KV cache: where they are written, what they see, which kernel.
+"""Attention of one forward's new tokens over the KV cache in torch: where they are written, what they see, which
+kernel. Kept-quantized models on CPU do not come here: their layers, attention included, run in the kernels
+(kernels/layer.cpp, kernels/attention.cpp: the paged cache read in place, every width); this path serves float
+weights, other devices, and is the reference those kernels are tested against.
 
 Decode and verify steps (a few new tokens per row) run as two plain matrix products over the cache (keys stored
-transposed, see cache.py) with a softmax between, in the cache's dtype (float32 on CPU, also for bfloat16 models,
-see LlamaForCausalLM.kv_dtype): on CPU, for so few queries, that is 2-10x faster than
-scaled_dot_product_attention (which in bfloat16 costs ~0.7 ms per layer for one query over 500 positions), and
-float32 matrix products read the cache's strided prefix in place where bfloat16 ones copy it first. Prefills
-(many queries) go to scaled_dot_product_attention.
+transposed, see cache.py) with a softmax between, in the cache's dtype (float32 on CPU for float models, see
+LlamaForCausalLM.kv_dtype): on CPU, for so few queries, that is 2-10x faster than scaled_dot_product_attention
+(which in bfloat16 costs ~0.7 ms per layer for one query over 500 positions), and float32 matrix products read the
+cache's strided prefix in place where bfloat16 ones copy it first. Prefills (many queries) go to
+scaled_dot_product_attention.
 """
 from __future__ import annotations
 

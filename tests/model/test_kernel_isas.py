@@ -44,3 +44,26 @@ def test_another_instruction_set_gives_the_same_bits(march, isa, tmp_path):
                         assert torch.equal(theirs, other.qmatmul(x, q, FORMATS[fmt], False)), (fmt, K, M, k_block)
     finally:
         kernels().set_k_activation_block(32)
+
+
+@pytest.mark.parametrize("march, isa", [("znver3", "avx2"), ("x86-64", "scalar")])
+def test_attention_on_another_instruction_set_gives_the_same_bits(march, isa, tmp_path):
+    from torch.utils import cpp_extension
+
+    flags = [flag for flag in compiled.FLAGS if not flag.startswith("-march")] + [f"-march={march}"]
+    other = cpp_extension.load(name=f"specdecode_attention_{isa}_check", extra_cflags=flags,
+                               extra_ldflags=["-fopenmp"], build_directory=str(tmp_path), verbose=False,
+                               sources=[str(p) for p in compiled.SOURCES if p.suffix == ".cpp"])
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        keys = torch.randn(12, 2, 64, 16, generator=g).to(dtype)
+        values = torch.randn(12, 2, 16, 64, generator=g).to(dtype)
+        tables = torch.randperm(12, generator=g)[:10].view(2, 5)
+        for T, tree in ((1, False), (7, False), (5, True)):
+            q = torch.randn(2 * T, 6 * 64, generator=g)
+            visible = torch.tril(torch.ones(T, T, dtype=torch.bool)).expand(2, T, T).clone() if tree else None
+            if tree:
+                visible[:, -1, 1] = False  # a node that skips one position: its fresh tiles are gathered
+            lengths = torch.tensor([37, 50])
+            args = (q, keys, values, tables, lengths, 0, visible, 6, 2, T)
+            assert torch.equal(other.attention(*args), kernels().attention(*args)), (dtype, T, tree)

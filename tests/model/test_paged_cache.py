@@ -143,7 +143,7 @@ def test_a_16_bit_cache_runs_the_fused_kernels_and_stays_batch_and_placement_inv
     paged = run(m, m.make_cache(3, 64, block_size=5, num_blocks=40, dtype=dtype), prompts, 4)
     for a, b in zip(slots, paged):
         assert torch.equal(a, b)
-    wide = run(m, m.make_cache(3, 64), prompts, 4)  # float32: close, not equal (each entry rounded to 16 bits)
+    wide = run(m, m.make_cache(3, 64, dtype=torch.float32), prompts, 4)  # close, not equal (16-bit rounding)
     assert not all(torch.equal(a, b) for a, b in zip(slots, wide))
     assert all((a - b).abs().max() < 0.1 * b.abs().max() for a, b in zip(slots, wide))
     # a row alone gives the numbers it gives in the batch

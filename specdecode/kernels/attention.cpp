@@ -1,0 +1,456 @@
+// Attention of a cached forward's new tokens over the paged KV cache, read in place: prefill chunks, verify passes
+// over draft trees and one-token steps all run here (layer.cpp calls it; `attention` exposes it for the tests).
+//
+// The flash-attention recurrence over tiles of 16 positions: each query row keeps a running max m, a running sum l
+// and an accumulator acc [hd]; a tile's scores s = q.k, then m' = max(m, max s), alpha = exp(m - m'),
+// p = exp(s - m'), l = l * alpha + sum p, acc = acc * alpha + p.V; at the end out = acc / l. The query heads that
+// share a kv head, and up to TOKENS_PER_ITEM new tokens of a row, are stacked as the rows of each tile's products, so
+// a key or value is read once per stack instead of once per (token, head); no mask is built and no copy gathered.
+//
+// Exactness (batch invariance): a row's numbers depend only on what it sees, never on which other rows share its
+// tiles, how many new tokens the forward has, the chunking of a prefill or where the blocks sit. Each row walks
+// its *logical* positions - the committed prefix, then the fresh positions it sees, in order - in tiles aligned to
+// multiples of 16, so a draft-tree node whose ancestors sit at scattered fresh slots walks the same tiles, with the
+// same keys, as the same token decoded after those ancestors were committed to consecutive positions. Within a
+// tile: each score is one chain of FMAs over d (lanes are positions); sum p is a fixed pairwise tree; acc's lanes
+// (d) each add p_j v_j[d] in order of j; positions a row does not see contribute exact zeros. The scalar reference
+// does the same operations in the same order, so every SIMD path (512- or 256-bit) gives its bits.
+//
+// Cost, Qwen2.5-Coder-1.5B (12 heads, 2 kv heads, head dim 128, 28 layers): 4 * L * 1,536 * 28 multiply-adds a new
+// token at context L, half in q.k, half in p.V, in float32 (16-bit caches widen exactly on load). On a 2-core AMD
+// EPYC (Zen 4, 256-bit path), one thread: a 512-token prefill chunk at context 3.6k ran at 40 tok/s (21 with the
+// per-(token, head) two-pass kernel before it), attention at ~60 GFLOP/s; docs/bench/long_prompt_2026-12-07.
+#include "quant.h"
+#include "vec.h"
+
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <vector>
+
+namespace {
+
+constexpr int64_t TILE = 16;  // logical positions per tile
+constexpr int64_t TOKENS_PER_ITEM = 8;  // new tokens of a row stacked (with their heads) into one work item
+
+// Where one (row, kv head)'s keys and values live: keys [blocks][kv_heads][hd][bs] (transposed), values
+// [blocks][kv_heads][bs][hd]; position p of the row is offset p % bs of block table[p / bs].
+template <typename E>
+struct Source {
+  const E* keys;
+  const E* values;
+  const int64_t* table;
+  int64_t bs, hd, g, kv_heads;
+  const E* key(int64_t pos) const {  // &K[pos][0]; its d-th value at + d * bs
+    return keys + ((table[pos / bs] * kv_heads + g) * hd) * bs + pos % bs;
+  }
+  const E* value(int64_t pos) const {  // &V[pos][0], hd contiguous values
+    return values + ((table[pos / bs] * kv_heads + g) * bs + pos % bs) * hd;
+  }
+};
+
+// One tile's keys and values as the products read them: k + d * k_stride + j is position j's d-th key value,
+// v + j * hd its values; n positions are real (keys past n are zeros when gathered, never read as values).
+template <typename E>
+struct Tile {
+  const E* k;
+  int64_t k_stride;
+  const E* v;
+  int64_t n;
+};
+
+// The tile of logical positions [first, first + n): read in place when they are physical positions in one block
+// (every committed position, every causal fresh one), else gathered into kbuf [hd][TILE] / vbuf [TILE][hd]
+// (physical(i) maps a logical position to where it is stored: a tree's fresh nodes).
+template <typename E, typename Map>
+Tile<E> tile_at(const Source<E>& src, int64_t first, int64_t n, bool identity, Map physical, E* kbuf, E* vbuf) {
+  const int64_t bs = src.bs, hd = src.hd;
+  if (identity && first % bs + TILE <= bs) return {src.key(first), bs, src.value(first), n};  // (keys past n unread)
+  for (int64_t j = 0; j < TILE; ++j) {
+    if (j < n) {
+      const int64_t pos = identity ? first + j : physical(first + j);
+      const E* k = src.key(pos);
+      for (int64_t d = 0; d < hd; ++d) kbuf[d * TILE + j] = k[d * bs];
+      std::memcpy(vbuf + j * hd, src.value(pos), hd * sizeof(E));
+    } else {
+      for (int64_t d = 0; d < hd; ++d) kbuf[d * TILE + j] = narrow<E>(0.0f);
+    }
+  }
+  return {kbuf, TILE, vbuf, n};
+}
+
+// ---- the three per-tile operations, each as the scalar reference and its vector forms -------------------------
+
+// s[r][j] = sum over d of q[r][d] * k[d][j], one FMA chain per (r, j) in order of d.
+template <typename E>
+void scores_scalar(const float* const* q, int64_t rows, const Tile<E>& t, int64_t hd, float* s) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < TILE; ++j) {
+      float acc = 0.0f;
+      for (int64_t d = 0; d < hd; ++d) acc = std::fma(q[r][d], widen(t.k[d * t.k_stride + j]), acc);
+      s[r * TILE + j] = acc;
+    }
+}
+
+// acc[r][:] = acc[r][:] * alpha[r], then += p[r][j] * v[j][:] for j < n in order.
+template <typename E>
+void values_scalar(float* const* acc, const float* alpha, const float* p, int64_t rows, const Tile<E>& t,
+                   int64_t hd) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* a = acc[r];
+    for (int64_t d = 0; d < hd; ++d) a[d] *= alpha[r];
+    for (int64_t j = 0; j < t.n; ++j) {
+      const float pj = p[r * TILE + j];
+      const E* v = t.v + j * hd;
+      for (int64_t d = 0; d < hd; ++d) a[d] = std::fma(pj, widen(v[d]), a[d]);
+    }
+  }
+}
+
+// The sum of a tile's 16 p's as a fixed tree: halves, quarters, eighths, then the last pair.
+inline float sum16_scalar(const float* p) {
+  float h[8], q[4];
+  for (int i = 0; i < 8; ++i) h[i] = p[i] + p[i + 8];
+  for (int i = 0; i < 4; ++i) q[i] = h[i] + h[i + 4];
+  return (q[0] + q[2]) + (q[1] + q[3]);
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline float sum16_avx2(__m256 lo, __m256 hi) {
+  const __m256 h = _mm256_add_ps(lo, hi);
+  const __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));  // q[i] = h[i] + h[i + 4]
+  const __m128 e = _mm_add_ps(q, _mm_movehl_ps(q, q));  // (q0 + q2, q1 + q3)
+  return _mm_cvtss_f32(_mm_add_ss(e, _mm_movehdup_ps(e)));
+}
+
+// 256-bit: 4 rows at a time, 16 positions as two vectors each (8 independent FMA chains).
+template <typename E>
+void scores_avx2(const float* const* q, int64_t rows, const Tile<E>& t, int64_t hd, float* s) {
+  for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+    const float* qr[4];
+    for (int i = 0; i < 4; ++i) qr[i] = q[std::min(r0 + i, rows - 1)];  // a short last block repeats its last row
+    __m256 a[4][2];
+    for (int i = 0; i < 4; ++i) a[i][0] = a[i][1] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < hd; ++d) {
+      const E* k = t.k + d * t.k_stride;
+      const __m256 k0 = load8(k), k1 = load8(k + 8);
+      for (int i = 0; i < 4; ++i) {
+        const __m256 qd = _mm256_broadcast_ss(qr[i] + d);
+        a[i][0] = _mm256_fmadd_ps(qd, k0, a[i][0]);
+        a[i][1] = _mm256_fmadd_ps(qd, k1, a[i][1]);
+      }
+    }
+    for (int i = 0; i < 4 && r0 + i < rows; ++i) {
+      _mm256_storeu_ps(s + (r0 + i) * TILE, a[i][0]);
+      _mm256_storeu_ps(s + (r0 + i) * TILE + 8, a[i][1]);
+    }
+  }
+}
+
+// 4 rows x 16 values of d at a time: 8 independent FMA chains (one per row and half), each over j in order.
+template <typename E>
+void values_avx2(float* const* acc, const float* alpha, const float* p, int64_t rows, const Tile<E>& t, int64_t hd) {
+  for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+    const int64_t n_rows = std::min<int64_t>(4, rows - r0);
+    for (int64_t d = 0; d < hd; d += 16) {
+      const bool two = d + 16 <= hd;  // hd % 8 == 0: the last step may be one vector
+      __m256 a[4][2];
+      for (int64_t i = 0; i < n_rows; ++i) {
+        const __m256 scale = _mm256_set1_ps(alpha[r0 + i]);
+        a[i][0] = _mm256_mul_ps(_mm256_loadu_ps(acc[r0 + i] + d), scale);
+        a[i][1] = two ? _mm256_mul_ps(_mm256_loadu_ps(acc[r0 + i] + d + 8), scale) : _mm256_setzero_ps();
+      }
+      for (int64_t j = 0; j < t.n; ++j) {
+        const E* v = t.v + j * hd + d;
+        const __m256 v0 = load8(v), v1 = two ? load8(v + 8) : _mm256_setzero_ps();
+        for (int64_t i = 0; i < n_rows; ++i) {
+          const __m256 pj = _mm256_broadcast_ss(p + (r0 + i) * TILE + j);
+          a[i][0] = _mm256_fmadd_ps(pj, v0, a[i][0]);
+          a[i][1] = _mm256_fmadd_ps(pj, v1, a[i][1]);
+        }
+      }
+      for (int64_t i = 0; i < n_rows; ++i) {
+        _mm256_storeu_ps(acc[r0 + i] + d, a[i][0]);
+        if (two) _mm256_storeu_ps(acc[r0 + i] + d + 8, a[i][1]);
+      }
+    }
+  }
+}
+#endif
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// 512-bit: RB rows at a time (8, 4, 2, 1: no row computed twice), one vector of 16 positions each.
+template <int RB, typename E>
+void scores_avx512_rows(const float* const* q, const Tile<E>& t, int64_t hd, float* s) {
+  __m512 a[RB];
+  for (int i = 0; i < RB; ++i) a[i] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < hd; ++d) {
+    const __m512 k = load16(t.k + d * t.k_stride);
+    for (int i = 0; i < RB; ++i) a[i] = _mm512_fmadd_ps(_mm512_set1_ps(q[i][d]), k, a[i]);
+  }
+  for (int i = 0; i < RB; ++i) _mm512_storeu_ps(s + i * TILE, a[i]);
+}
+
+template <typename E>
+void scores_avx512(const float* const* q, int64_t rows, const Tile<E>& t, int64_t hd, float* s) {
+  int64_t r = 0;
+  for (; r + 8 <= rows; r += 8) scores_avx512_rows<8>(q + r, t, hd, s + r * TILE);
+  if (r + 4 <= rows) scores_avx512_rows<4>(q + r, t, hd, s + r * TILE), r += 4;
+  if (r + 2 <= rows) scores_avx512_rows<2>(q + r, t, hd, s + r * TILE), r += 2;
+  if (r < rows) scores_avx512_rows<1>(q + r, t, hd, s + r * TILE);
+}
+
+// 4 rows x 32 values of d at a time: 8 independent FMA chains.
+template <typename E>
+void values_avx512(float* const* acc, const float* alpha, const float* p, int64_t rows, const Tile<E>& t,
+                   int64_t hd) {
+  for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+    const int64_t n_rows = std::min<int64_t>(4, rows - r0);
+    for (int64_t d = 0; d < hd; d += 32) {
+      const bool two = d + 32 <= hd;  // hd % 16 == 0: the last step may be one vector
+      __m512 a[4][2];
+      for (int64_t i = 0; i < n_rows; ++i) {
+        const __m512 scale = _mm512_set1_ps(alpha[r0 + i]);
+        a[i][0] = _mm512_mul_ps(_mm512_loadu_ps(acc[r0 + i] + d), scale);
+        a[i][1] = two ? _mm512_mul_ps(_mm512_loadu_ps(acc[r0 + i] + d + 16), scale) : _mm512_setzero_ps();
+      }
+      for (int64_t j = 0; j < t.n; ++j) {
+        const E* v = t.v + j * hd + d;
+        const __m512 v0 = load16(v), v1 = two ? load16(v + 16) : _mm512_setzero_ps();
+        for (int64_t i = 0; i < n_rows; ++i) {
+          const __m512 pj = _mm512_set1_ps(p[(r0 + i) * TILE + j]);
+          a[i][0] = _mm512_fmadd_ps(pj, v0, a[i][0]);
+          a[i][1] = _mm512_fmadd_ps(pj, v1, a[i][1]);
+        }
+      }
+      for (int64_t i = 0; i < n_rows; ++i) {
+        _mm512_storeu_ps(acc[r0 + i] + d, a[i][0]);
+        if (two) _mm512_storeu_ps(acc[r0 + i] + d + 16, a[i][1]);
+      }
+    }
+  }
+}
+#endif
+
+enum class Path { scalar, avx2, avx512 };
+
+Path simd_path(bool use_simd, int64_t hd) {
+  if (!use_simd) return Path::scalar;
+#if defined(__AVX512F__)
+  if (vector_bits() == 512 && hd % 16 == 0) return Path::avx512;
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  if (hd % 8 == 0) return Path::avx2;
+#endif
+  return Path::scalar;
+}
+
+// The running state of a stack of query rows over one kv head.
+struct Rows {
+  int64_t n = 0, hd = 0;
+  std::vector<const float*> q;  // [n] scaled queries [hd]
+  std::vector<float*> acc;  // [n] accumulators [hd]
+  std::vector<int64_t> seen;  // [n] how many logical positions each row sees
+  std::vector<float> m, l, alpha, s;  // [n], [n], [n], [n][TILE] (scores, then p)
+};
+
+// One tile for the rows [r0, r1) of `rows`: scores, the softmax step, the values.
+template <typename E>
+void step_tile(Rows& rows, int64_t r0, int64_t r1, int64_t first, const Tile<E>& t, Path path) {
+  const int64_t hd = rows.hd, n = r1 - r0;
+  const float* const* q = rows.q.data() + r0;
+  float* s = rows.s.data() + r0 * TILE;
+  switch (path) {
+#if defined(__AVX512F__)
+    case Path::avx512: scores_avx512(q, n, t, hd, s); break;
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+    case Path::avx2: scores_avx2(q, n, t, hd, s); break;
+#endif
+    default: scores_scalar(q, n, t, hd, s);
+  }
+  for (int64_t r = r0; r < r1; ++r) {
+    float* sr = rows.s.data() + r * TILE;
+    const int64_t visible = std::min(TILE, rows.seen[r] - first);  // the row's positions in this tile: [0, visible)
+    if (visible <= 0) {  // none: p = 0, alpha = 1, nothing changes
+      for (int64_t j = 0; j < TILE; ++j) sr[j] = 0.0f;
+      rows.alpha[r] = 1.0f;
+      continue;
+    }
+    float top = rows.m[r];
+    for (int64_t j = 0; j < visible; ++j) top = std::max(top, sr[j]);
+    const float alpha = exp1(rows.m[r] - top);  // 0 on the row's first tile (m = -inf)
+    int64_t j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (path != Path::scalar) {
+      const __m256 top8 = _mm256_set1_ps(top);
+      const __m256 lo = exp256(_mm256_sub_ps(_mm256_loadu_ps(sr), top8));
+      const __m256 hi = exp256(_mm256_sub_ps(_mm256_loadu_ps(sr + 8), top8));
+      _mm256_storeu_ps(sr, lo);
+      _mm256_storeu_ps(sr + 8, hi);
+      j = TILE;
+    }
+#endif
+    for (; j < TILE; ++j) sr[j] = exp1(sr[j] - top);
+    for (j = visible; j < TILE; ++j) sr[j] = 0.0f;
+    float total;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (path != Path::scalar) total = sum16_avx2(_mm256_loadu_ps(sr), _mm256_loadu_ps(sr + 8));
+    else
+#endif
+      total = sum16_scalar(sr);
+    rows.l[r] = rows.l[r] * alpha + total;
+    rows.m[r] = top;
+    rows.alpha[r] = alpha;
+  }
+  float* const* acc = rows.acc.data() + r0;
+  const float* alpha = rows.alpha.data() + r0;
+  switch (path) {
+#if defined(__AVX512F__)
+    case Path::avx512: values_avx512(acc, alpha, s, n, t, hd); break;
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+    case Path::avx2: values_avx2(acc, alpha, s, n, t, hd); break;
+#endif
+    default: values_scalar(acc, alpha, s, n, t, hd);
+  }
+}
+
+template <typename E>
+void attend_all(const AttentionStep& step, const E* keys, const E* values, const float* q_data, float* out,
+                bool use_simd) {
+  const int64_t B = step.B, T = step.T, H = step.H, G = step.G, hd = step.hd, group = H / G;
+  const int64_t fresh = step.pending + T;
+  const int64_t blocks_per_row = (T + TOKENS_PER_ITEM - 1) / TOKENS_PER_ITEM;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const Path path = simd_path(use_simd, hd);
+  at::parallel_for(0, B * G * blocks_per_row, 1, [&](int64_t begin, int64_t end) {
+    const int64_t most = TOKENS_PER_ITEM * group;
+    std::vector<float> q_buf(most * hd), acc_buf(most * hd);
+    std::vector<E> kbuf(hd * TILE), vbuf(TILE * hd);
+    std::vector<int64_t> where(fresh);  // a tree row's visible fresh slots, in order
+    Rows rows;
+    rows.hd = hd;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / (G * blocks_per_row), g = item / blocks_per_row % G;
+      const int64_t t0 = item % blocks_per_row * TOKENS_PER_ITEM, t1 = std::min(T, t0 + TOKENS_PER_ITEM);
+      const int64_t prefix = step.length[b];
+      const Source<E> src{keys, values, step.table + b * step.width, step.bs, hd, g, G};
+      rows.n = (t1 - t0) * group;
+      rows.q.assign(rows.n, nullptr), rows.acc.assign(rows.n, nullptr), rows.seen.assign(rows.n, 0);
+      rows.m.assign(rows.n, -INFINITY), rows.l.assign(rows.n, 0.0f), rows.alpha.assign(rows.n, 1.0f);
+      rows.s.assign(rows.n * TILE, 0.0f);
+      for (int64_t t = t0; t < t1; ++t) {
+        const bool* seen_fresh = step.mask ? step.mask + (b * T + t) * fresh : nullptr;
+        int64_t n_fresh = step.pending + t + 1;  // causal: every fresh position up to its own
+        if (seen_fresh) {
+          n_fresh = 0;
+          for (int64_t f = 0; f < fresh; ++f) n_fresh += seen_fresh[f];
+        }
+        for (int64_t h = 0; h < group; ++h) {
+          const int64_t r = (t - t0) * group + h, head = g * group + h;
+          float* qr = q_buf.data() + r * hd;
+          const float* src_q = q_data + (b * T + t) * step.q_stride + head * hd;
+          for (int64_t d = 0; d < hd; ++d) qr[d] = src_q[d] * scale;
+          float* a = acc_buf.data() + r * hd;
+          std::fill(a, a + hd, 0.0f);
+          rows.q[r] = qr, rows.acc[r] = a, rows.seen[r] = prefix + n_fresh;
+        }
+      }
+      int64_t shared_end = 0;  // tiles before it are read by every row of the item at their physical positions
+      for (int64_t r = 0; r < rows.n; ++r) shared_end = std::max(shared_end, rows.seen[r]);
+      auto identity = [](int64_t i) { return i; };
+      if (step.mask) shared_end = prefix / TILE * TILE;  // a tree's fresh nodes: each token's own tiles below
+      for (int64_t first = 0; first < shared_end; first += TILE) {
+        const Tile<E> t = tile_at(src, first, std::min(TILE, shared_end - first), true, identity, kbuf.data(),
+                                  vbuf.data());
+        step_tile(rows, 0, rows.n, first, t, path);
+      }
+      if (step.mask) {  // per token: the prefix's last partial tile and its visible fresh nodes, compacted
+        for (int64_t t = t0; t < t1; ++t) {
+          const bool* seen_fresh = step.mask + (b * T + t) * fresh;
+          int64_t n = 0;
+          for (int64_t f = 0; f < fresh; ++f)
+            if (seen_fresh[f]) where[n++] = prefix + f;
+          auto physical = [&](int64_t i) { return i < prefix ? i : where[i - prefix]; };
+          const int64_t r0 = (t - t0) * group, seen = prefix + n;
+          for (int64_t first = shared_end; first < seen; first += TILE) {
+            const Tile<E> tile = tile_at(src, first, std::min(TILE, seen - first), false, physical, kbuf.data(),
+                                         vbuf.data());
+            step_tile(rows, r0, r0 + group, first, tile, path);
+          }
+        }
+      }
+      for (int64_t t = t0; t < t1; ++t)
+        for (int64_t h = 0; h < group; ++h) {
+          const int64_t r = (t - t0) * group + h, head = g * group + h;
+          const float inv = 1.0f / rows.l[r];
+          float* o = out + (b * T + t) * H * hd + head * hd;
+          for (int64_t d = 0; d < hd; ++d) o[d] = rows.acc[r][d] * inv;
+        }
+    }
+  });
+}
+
+}  // namespace
+
+void check_attention_inputs(const torch::Tensor& keys, const torch::Tensor& values, const torch::Tensor& tables,
+                            const torch::Tensor& lengths, int64_t B, int64_t fresh) {
+  TORCH_CHECK(keys.dtype() == values.dtype() && keys.is_contiguous() && values.is_contiguous() &&
+              (keys.dtype() == torch::kFloat32 || keys.dtype() == torch::kBFloat16 ||
+               keys.dtype() == torch::kFloat16), "the cache must be contiguous float32, bfloat16 or float16");
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == B && lengths.numel() == B, "one table and length per row");
+  const int64_t bs = keys.size(3), num_blocks = keys.size(0), width = tables.size(1);
+  const int64_t* table = tables.data_ptr<int64_t>();
+  const int64_t* length = lengths.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t used = (length[b] + fresh + bs - 1) / bs;
+    TORCH_CHECK(used <= width, "the KV cache holds ", width * bs, " positions per row; this step needs ",
+                length[b] + fresh);
+    for (int64_t i = 0; i < used; ++i)
+      TORCH_CHECK(table[b * width + i] >= 0 && table[b * width + i] < num_blocks,
+                  "row ", b, " has no KV-cache block for positions from ", i * bs, " (reserve them first)");
+  }
+}
+
+void paged_attention(const AttentionStep& step, const torch::Tensor& keys, const torch::Tensor& values,
+                     const float* q, float* out, bool use_simd) {
+  if (keys.scalar_type() == torch::kFloat32)
+    attend_all(step, keys.data_ptr<float>(), values.data_ptr<float>(), q, out, use_simd);
+  else if (keys.scalar_type() == torch::kBFloat16)
+    attend_all(step, keys.data_ptr<c10::BFloat16>(), values.data_ptr<c10::BFloat16>(), q, out, use_simd);
+  else
+    attend_all(step, keys.data_ptr<c10::Half>(), values.data_ptr<c10::Half>(), q, out, use_simd);
+}
+
+torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
+                        const torch::Tensor& tables, const torch::Tensor& lengths, int64_t pending,
+                        const c10::optional<torch::Tensor>& visible, int64_t num_heads, int64_t num_kv_heads,
+                        int64_t new_tokens, bool use_simd) {
+  TORCH_CHECK(q.dtype() == torch::kFloat32 && q.dim() == 2 && q.is_contiguous(), "q must be [B*T, H*hd] float32");
+  const int64_t T = new_tokens, B = q.size(0) / T, hd = keys.size(2);
+  auto table_list = tables.to(torch::kInt64).contiguous();
+  auto length_list = lengths.to(torch::kInt64).contiguous();
+  torch::Tensor mask_tensor;
+  const bool* mask = nullptr;
+  if (visible.has_value() && visible->defined()) {
+    mask_tensor = visible->to(torch::kBool).contiguous();
+    TORCH_CHECK(mask_tensor.numel() == B * T * (pending + T), "visible must be [B, T, pending + T]");
+    mask = mask_tensor.data_ptr<bool>();
+  }
+  check_attention_inputs(keys, values, table_list, length_list, B, pending + T);
+  const AttentionStep step{B, T, num_heads, num_kv_heads, hd, keys.size(3), tables.size(1), pending,
+                           q.size(1), table_list.data_ptr<int64_t>(), length_list.data_ptr<int64_t>(), mask};
+  auto out = torch::empty({B * T, num_heads * hd}, torch::kFloat32);
+  paged_attention(step, keys, values, q.data_ptr<float>(), out.data_ptr<float>(), use_simd);
+  return out;
+}
