@@ -1,6 +1,7 @@
 """Fill-in-the-middle prompts (model/fim.py) and LLM.generate(suffix=): the token ids against the model card's format
 and llama.cpp's /infill layout, the end tokens, and drafting from the suffix and the other files."""
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -108,6 +109,21 @@ def test_infill_ids_fit_max_tokens_sacrificing_the_files_then_the_prefix_then_th
     fitted = infill(prefix=PREFIX * 200, suffix=SUFFIX * 100, max_tokens=300)
     assert fitted == [fim.prefix, *typed, fim.suffix, *long_suffix[:300 - 3 - len(typed)], fim.middle]
     assert infill(max_tokens=2) == [fim.prefix, *typed, fim.suffix, fim.middle]  # nothing left to cut
+
+
+def test_infill_ids_count_a_bos_in_the_limit(fim_models, tmp_path):
+    """A tokenizer that adds a BOS (it goes right before <|fim_prefix|>, as in llama.cpp): the limit holds it too."""
+    (tmp_path / "tokenizer.json").write_bytes((fim_models["target"] / "tokenizer.json").read_bytes())
+    config = json.loads((fim_models["target"] / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "add_bos_token": True}))
+    tok = Tokenizer(tmp_path)
+    fim = fim_tokens(tok)
+    whole = infill_ids(tok, fim, PREFIX, SUFFIX, "return", FILES)
+    assert whole[whole.index(tok.bos_token_id) + 1] == fim.prefix
+    for limit in (len(whole) - 1, len(whole) - 5):
+        assert infill_ids(tok, fim, PREFIX, SUFFIX, "return", FILES, max_tokens=limit) == whole[-limit:]
+    fitted = infill_ids(tok, fim, PREFIX * 200, SUFFIX, "return", FILES, max_tokens=300)
+    assert len(fitted) == 300 and fitted[:2] == [tok.bos_token_id, fim.prefix]
 
 
 def test_generate_with_a_suffix_decodes_the_fim_prompt_and_stops_at_its_end_tokens(fim_models):
