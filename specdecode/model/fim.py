@@ -86,10 +86,10 @@ def infill_ids(tokenizer, fim: FimTokens, prefix: str, suffix: str, typed: str =
     SUFFIX_TAKE less what typed takes. current_file: the edited file's name (llama.cpp's placeholder by default). Each
     piece is tokenized on its own, as there (the typed text does not merge with the end of the prefix).
 
-    max_tokens: the most prompt tokens (None: no limit). What does not fit goes in llama.cpp's order of sacrifice:
-    the other files first (the start of what they give: the repository's name and the earliest files), then the
-    prefix (its start, far from the cursor), then the suffix (its end). The special tokens and the typed text always
-    stay, so a prompt may still be longer than max_tokens when those alone are."""
+    max_tokens: the most prompt tokens (None: no limit). What does not fit goes first from the other files (their
+    start: the repository's name and the earliest files; llama.cpp's server too gives them only what the prefix, the
+    suffix and the middle leave), then from the prefix (its start, far from the cursor), then from the suffix (its
+    end). The special tokens and the typed text always stay: a prompt is longer than max_tokens only when they are."""
     head = _encode(tokenizer, prefix)[-PREFIX_TAKE:]
     typed_ids = _encode(tokenizer, typed)
     tail = _encode(tokenizer, suffix)[:max(0, SUFFIX_TAKE - 2 - len(typed_ids))]
