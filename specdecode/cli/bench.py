@@ -96,7 +96,7 @@ def register(sub) -> None:
                    help="with --speed: wall (default) or cpu, the thread's CPU time (for a machine shared with "
                         "other jobs)")
     p.set_defaults(func=cmd_bench)
-    tools = p.add_subparsers(dest="bench_command", metavar="serve|soak|fuzz|code|perplexity|assistant|fim")
+    tools = p.add_subparsers(dest="bench_command", metavar="serve|soak|fuzz|code|perplexity|assistant|fim|long")
     register_serve(tools)
     register_soak(tools)
     register_fuzz(tools)
@@ -105,6 +105,7 @@ def register(sub) -> None:
     register_assistant(tools)
     register_fim(tools)
     register_sessions(tools)
+    register_long(tools)
 
 
 def _checkpoints(args) -> tuple[Path, Path | None]:
@@ -365,6 +366,25 @@ def register_sessions(sub) -> None:
     p.add_argument("--server-args", default="", help="more `specdecode serve` flags, one string")
     p.add_argument("--out", type=Path, default=None, help="folder for the report")
     p.set_defaults(func=_run("specdecode.bench.sessions", "cmd_sessions"))
+
+
+def register_long(sub) -> None:
+    p = sub.add_parser("long", help="prefill and decode tokens/s against the prompt's length, ours vs llama.cpp",
+                       description="For each prompt length: a prompt of that many tokens of standard-library code, "
+                                   "then --tokens greedy tokens; ours (no speculation) and, with --llama-cpp, "
+                                   "llama-completion on the same text. Writes results.json, README.md and long.png "
+                                   "(tokens/s against the prompt's length) to --out.")
+    p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct",
+                   help="a model name or .gguf (default qwen2.5-coder-1.5b-instruct)")
+    p.add_argument("--llama-cpp", type=Path, default=None, metavar="BIN_DIR",
+                   help="also llama.cpp (a bin directory built by scripts/build_llama_cpp.sh) on the same file")
+    p.add_argument("--lengths", type=int_list, default=[512, 1024, 2048, 4096, 8192, 16384],
+                   help="comma-separated prompt lengths in tokens (default 512,1024,2048,4096,8192,16384)")
+    p.add_argument("--tokens", type=TOKENS, default=32, help="greedy tokens after each prompt (default 32)")
+    p.add_argument("--threads", type=THREADS, default=1, help="threads of both engines (default 1)")
+    p.add_argument("--out", type=Path, default=Path("bench_results/long"), help="output folder (default "
+                                                                                 "bench_results/long)")
+    p.set_defaults(func=_run("specdecode.bench.long", "cmd_bench_long"))
 
 
 def register_perplexity(sub) -> None:

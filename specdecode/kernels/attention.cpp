@@ -31,7 +31,10 @@
 namespace {
 
 constexpr int64_t TILE = 16;  // logical positions per tile
-constexpr int64_t TOKENS_PER_ITEM = 8;  // new tokens of a row stacked (with their heads) into one work item
+constexpr int64_t TOKENS_PER_ITEM = 8;
+#ifndef PREFETCH_TILES
+#define PREFETCH_TILES 1
+#endif  // new tokens of a row stacked (with their heads) into one work item
 
 // Where one (row, kv head)'s keys and values live: keys [blocks][kv_heads][hd][bs] (transposed), values
 // [blocks][kv_heads][bs][hd]; position p of the row is offset p % bs of block table[p / bs].
@@ -48,6 +51,24 @@ struct Source {
     return values + ((table[pos / bs] * kv_heads + g) * bs + pos % bs) * hd;
   }
 };
+
+// Asks for the keys and values of the 16 positions from `pos` (all in one block) while the tile before is computed:
+// a tile's keys are a page of their own in the paged layout, which the hardware prefetchers do not enter on their
+// own, and without this a long context's decode step waited on memory more than it computed.
+template <typename E>
+inline void prefetch_tile(const Source<E>& src, int64_t pos) {
+#if defined(__AVX2__)
+  const char* k = reinterpret_cast<const char*>(src.key(pos));
+  const int64_t k_row = src.bs * static_cast<int64_t>(sizeof(E));  // bytes between d and d + 1
+  const int64_t step = k_row >= 64 ? 1 : 64 / k_row;
+  for (int64_t d = 0; d < src.hd; d += step) _mm_prefetch(k + d * k_row, _MM_HINT_T0);
+  const char* v = reinterpret_cast<const char*>(src.value(pos));
+  for (int64_t at = 0; at < TILE * src.hd * static_cast<int64_t>(sizeof(E)); at += 64)
+    _mm_prefetch(v + at, _MM_HINT_T0);
+#else
+  (void)src, (void)pos;
+#endif
+}
 
 // One tile's keys and values as the products read them: k + d * k_stride + j is position j's d-th key value,
 // v + j * hd its values; n positions are real (keys past n are zeros when gathered, never read as values).
@@ -123,58 +144,69 @@ inline float sum16_avx2(__m256 lo, __m256 hi) {
   return _mm_cvtss_f32(_mm_add_ss(e, _mm_movehdup_ps(e)));
 }
 
-// 256-bit: 4 rows at a time, 16 positions as two vectors each (8 independent FMA chains).
+// 256-bit: RB rows at a time (4, 2, 1: no row computed twice), 16 positions as two vectors each (up to 8
+// independent FMA chains).
+template <int RB, typename E>
+void scores_avx2_rows(const float* const* q, const Tile<E>& t, int64_t hd, float* s) {
+  __m256 a[RB][2];
+  for (int i = 0; i < RB; ++i) a[i][0] = a[i][1] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < hd; ++d) {
+    const E* k = t.k + d * t.k_stride;
+    const __m256 k0 = load8(k), k1 = load8(k + 8);
+    for (int i = 0; i < RB; ++i) {
+      const __m256 qd = _mm256_broadcast_ss(q[i] + d);
+      a[i][0] = _mm256_fmadd_ps(qd, k0, a[i][0]);
+      a[i][1] = _mm256_fmadd_ps(qd, k1, a[i][1]);
+    }
+  }
+  for (int i = 0; i < RB; ++i) {
+    _mm256_storeu_ps(s + i * TILE, a[i][0]);
+    _mm256_storeu_ps(s + i * TILE + 8, a[i][1]);
+  }
+}
+
 template <typename E>
 void scores_avx2(const float* const* q, int64_t rows, const Tile<E>& t, int64_t hd, float* s) {
-  for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-    const float* qr[4];
-    for (int i = 0; i < 4; ++i) qr[i] = q[std::min(r0 + i, rows - 1)];  // a short last block repeats its last row
-    __m256 a[4][2];
-    for (int i = 0; i < 4; ++i) a[i][0] = a[i][1] = _mm256_setzero_ps();
-    for (int64_t d = 0; d < hd; ++d) {
-      const E* k = t.k + d * t.k_stride;
-      const __m256 k0 = load8(k), k1 = load8(k + 8);
-      for (int i = 0; i < 4; ++i) {
-        const __m256 qd = _mm256_broadcast_ss(qr[i] + d);
-        a[i][0] = _mm256_fmadd_ps(qd, k0, a[i][0]);
-        a[i][1] = _mm256_fmadd_ps(qd, k1, a[i][1]);
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) scores_avx2_rows<4>(q + r, t, hd, s + r * TILE);
+  if (r + 2 <= rows) scores_avx2_rows<2>(q + r, t, hd, s + r * TILE), r += 2;
+  if (r < rows) scores_avx2_rows<1>(q + r, t, hd, s + r * TILE);
+}
+
+// RB rows (4, 2, 1: a compile-time count, so the accumulators stay in registers) x 16 values of d at a time: up to
+// 8 independent FMA chains, each over j in order.
+template <int RB, typename E>
+void values_avx2_rows(float* const* acc, const float* alpha, const float* p, const Tile<E>& t, int64_t hd) {
+  for (int64_t d = 0; d < hd; d += 16) {
+    const bool two = d + 16 <= hd;  // hd % 8 == 0: the last step may be one vector
+    __m256 a[RB][2];
+    for (int i = 0; i < RB; ++i) {
+      const __m256 scale = _mm256_set1_ps(alpha[i]);
+      a[i][0] = _mm256_mul_ps(_mm256_loadu_ps(acc[i] + d), scale);
+      a[i][1] = two ? _mm256_mul_ps(_mm256_loadu_ps(acc[i] + d + 8), scale) : _mm256_setzero_ps();
+    }
+    for (int64_t j = 0; j < t.n; ++j) {
+      const E* v = t.v + j * hd + d;
+      const __m256 v0 = load8(v), v1 = two ? load8(v + 8) : _mm256_setzero_ps();
+      for (int i = 0; i < RB; ++i) {
+        const __m256 pj = _mm256_broadcast_ss(p + i * TILE + j);
+        a[i][0] = _mm256_fmadd_ps(pj, v0, a[i][0]);
+        a[i][1] = _mm256_fmadd_ps(pj, v1, a[i][1]);
       }
     }
-    for (int i = 0; i < 4 && r0 + i < rows; ++i) {
-      _mm256_storeu_ps(s + (r0 + i) * TILE, a[i][0]);
-      _mm256_storeu_ps(s + (r0 + i) * TILE + 8, a[i][1]);
+    for (int i = 0; i < RB; ++i) {
+      _mm256_storeu_ps(acc[i] + d, a[i][0]);
+      if (two) _mm256_storeu_ps(acc[i] + d + 8, a[i][1]);
     }
   }
 }
 
-// 4 rows x 16 values of d at a time: 8 independent FMA chains (one per row and half), each over j in order.
 template <typename E>
 void values_avx2(float* const* acc, const float* alpha, const float* p, int64_t rows, const Tile<E>& t, int64_t hd) {
-  for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-    const int64_t n_rows = std::min<int64_t>(4, rows - r0);
-    for (int64_t d = 0; d < hd; d += 16) {
-      const bool two = d + 16 <= hd;  // hd % 8 == 0: the last step may be one vector
-      __m256 a[4][2];
-      for (int64_t i = 0; i < n_rows; ++i) {
-        const __m256 scale = _mm256_set1_ps(alpha[r0 + i]);
-        a[i][0] = _mm256_mul_ps(_mm256_loadu_ps(acc[r0 + i] + d), scale);
-        a[i][1] = two ? _mm256_mul_ps(_mm256_loadu_ps(acc[r0 + i] + d + 8), scale) : _mm256_setzero_ps();
-      }
-      for (int64_t j = 0; j < t.n; ++j) {
-        const E* v = t.v + j * hd + d;
-        const __m256 v0 = load8(v), v1 = two ? load8(v + 8) : _mm256_setzero_ps();
-        for (int64_t i = 0; i < n_rows; ++i) {
-          const __m256 pj = _mm256_broadcast_ss(p + (r0 + i) * TILE + j);
-          a[i][0] = _mm256_fmadd_ps(pj, v0, a[i][0]);
-          a[i][1] = _mm256_fmadd_ps(pj, v1, a[i][1]);
-        }
-      }
-      for (int64_t i = 0; i < n_rows; ++i) {
-        _mm256_storeu_ps(acc[r0 + i] + d, a[i][0]);
-        if (two) _mm256_storeu_ps(acc[r0 + i] + d + 8, a[i][1]);
-      }
-    }
-  }
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) values_avx2_rows<4>(acc + r, alpha + r, p + r * TILE, t, hd);
+  if (r + 2 <= rows) values_avx2_rows<2>(acc + r, alpha + r, p + r * TILE, t, hd), r += 2;
+  if (r < rows) values_avx2_rows<1>(acc + r, alpha + r, p + r * TILE, t, hd);
 }
 #endif
 
@@ -209,35 +241,40 @@ void scores_avx512(const float* const* q, int64_t rows, const Tile<E>& t, int64_
   if (r < rows) scores_avx512_rows<1>(q + r, t, hd, s + r * TILE);
 }
 
-// 4 rows x 32 values of d at a time: 8 independent FMA chains.
+// RB rows x 32 values of d at a time: up to 8 independent FMA chains.
+template <int RB, typename E>
+void values_avx512_rows(float* const* acc, const float* alpha, const float* p, const Tile<E>& t, int64_t hd) {
+  for (int64_t d = 0; d < hd; d += 32) {
+    const bool two = d + 32 <= hd;  // hd % 16 == 0: the last step may be one vector
+    __m512 a[RB][2];
+    for (int i = 0; i < RB; ++i) {
+      const __m512 scale = _mm512_set1_ps(alpha[i]);
+      a[i][0] = _mm512_mul_ps(_mm512_loadu_ps(acc[i] + d), scale);
+      a[i][1] = two ? _mm512_mul_ps(_mm512_loadu_ps(acc[i] + d + 16), scale) : _mm512_setzero_ps();
+    }
+    for (int64_t j = 0; j < t.n; ++j) {
+      const E* v = t.v + j * hd + d;
+      const __m512 v0 = load16(v), v1 = two ? load16(v + 16) : _mm512_setzero_ps();
+      for (int i = 0; i < RB; ++i) {
+        const __m512 pj = _mm512_set1_ps(p[i * TILE + j]);
+        a[i][0] = _mm512_fmadd_ps(pj, v0, a[i][0]);
+        a[i][1] = _mm512_fmadd_ps(pj, v1, a[i][1]);
+      }
+    }
+    for (int i = 0; i < RB; ++i) {
+      _mm512_storeu_ps(acc[i] + d, a[i][0]);
+      if (two) _mm512_storeu_ps(acc[i] + d + 16, a[i][1]);
+    }
+  }
+}
+
 template <typename E>
 void values_avx512(float* const* acc, const float* alpha, const float* p, int64_t rows, const Tile<E>& t,
                    int64_t hd) {
-  for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-    const int64_t n_rows = std::min<int64_t>(4, rows - r0);
-    for (int64_t d = 0; d < hd; d += 32) {
-      const bool two = d + 32 <= hd;  // hd % 16 == 0: the last step may be one vector
-      __m512 a[4][2];
-      for (int64_t i = 0; i < n_rows; ++i) {
-        const __m512 scale = _mm512_set1_ps(alpha[r0 + i]);
-        a[i][0] = _mm512_mul_ps(_mm512_loadu_ps(acc[r0 + i] + d), scale);
-        a[i][1] = two ? _mm512_mul_ps(_mm512_loadu_ps(acc[r0 + i] + d + 16), scale) : _mm512_setzero_ps();
-      }
-      for (int64_t j = 0; j < t.n; ++j) {
-        const E* v = t.v + j * hd + d;
-        const __m512 v0 = load16(v), v1 = two ? load16(v + 16) : _mm512_setzero_ps();
-        for (int64_t i = 0; i < n_rows; ++i) {
-          const __m512 pj = _mm512_set1_ps(p[(r0 + i) * TILE + j]);
-          a[i][0] = _mm512_fmadd_ps(pj, v0, a[i][0]);
-          a[i][1] = _mm512_fmadd_ps(pj, v1, a[i][1]);
-        }
-      }
-      for (int64_t i = 0; i < n_rows; ++i) {
-        _mm512_storeu_ps(acc[r0 + i] + d, a[i][0]);
-        if (two) _mm512_storeu_ps(acc[r0 + i] + d + 16, a[i][1]);
-      }
-    }
-  }
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) values_avx512_rows<4>(acc + r, alpha + r, p + r * TILE, t, hd);
+  if (r + 2 <= rows) values_avx512_rows<2>(acc + r, alpha + r, p + r * TILE, t, hd), r += 2;
+  if (r < rows) values_avx512_rows<1>(acc + r, alpha + r, p + r * TILE, t, hd);
 }
 #endif
 
@@ -261,7 +298,70 @@ struct Rows {
   std::vector<float*> acc;  // [n] accumulators [hd]
   std::vector<int64_t> seen;  // [n] how many logical positions each row sees
   std::vector<float> m, l, alpha, s;  // [n], [n], [n], [n][TILE] (scores, then p)
+  std::vector<float> shift, total;  // [n] scratch of the vector softmax step: m - top, sum16(p)
 };
+
+// The softmax step of one tile for rows [r0, r1), their scores in s: top = max(m, the scores the row sees),
+// p = exp(s - top) where it sees (else 0), alpha = exp(m - top), l = l * alpha + sum16(p), m = top. A row that sees
+// nothing of the tile keeps its state (p = 0, alpha = 1).
+void softmax_scalar(Rows& rows, int64_t r0, int64_t r1, int64_t first) {
+  for (int64_t r = r0; r < r1; ++r) {
+    float* sr = rows.s.data() + r * TILE;
+    const int64_t visible = std::min(TILE, rows.seen[r] - first);  // the row's positions in this tile: [0, visible)
+    if (visible <= 0) {
+      for (int64_t j = 0; j < TILE; ++j) sr[j] = 0.0f;
+      rows.alpha[r] = 1.0f;
+      continue;
+    }
+    float top = rows.m[r];
+    for (int64_t j = 0; j < visible; ++j) top = std::max(top, sr[j]);
+    for (int64_t j = 0; j < TILE; ++j) sr[j] = j < visible ? exp1(sr[j] - top) : 0.0f;
+    const float alpha = exp1(rows.m[r] - top);  // 0 on the row's first tile (m = -inf)
+    rows.l[r] = rows.l[r] * alpha + sum16_scalar(sr);
+    rows.m[r] = top;
+    rows.alpha[r] = alpha;
+  }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// The same, a row's 16 scores as two vectors, the alphas of 8 rows by one vector exponential.
+void softmax_avx2(Rows& rows, int64_t r0, int64_t r1, int64_t first) {
+  const __m256i lanes_lo = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i lanes_hi = _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15);
+  const __m256 minus_inf = _mm256_set1_ps(-INFINITY);
+  for (int64_t r = r0; r < r1; ++r) {
+    float* sr = rows.s.data() + r * TILE;
+    const int64_t visible = std::min(TILE, rows.seen[r] - first);
+    if (visible <= 0) {
+      _mm256_storeu_ps(sr, _mm256_setzero_ps());
+      _mm256_storeu_ps(sr + 8, _mm256_setzero_ps());
+      rows.total[r] = 0.0f, rows.shift[r] = 0.0f;  // alpha = exp(0) = 1
+      continue;
+    }
+    const __m256i seen = _mm256_set1_epi32(static_cast<int>(visible));
+    const __m256 lo = _mm256_blendv_ps(minus_inf, _mm256_loadu_ps(sr),
+                                       _mm256_castsi256_ps(_mm256_cmpgt_epi32(seen, lanes_lo)));
+    const __m256 hi = _mm256_blendv_ps(minus_inf, _mm256_loadu_ps(sr + 8),
+                                       _mm256_castsi256_ps(_mm256_cmpgt_epi32(seen, lanes_hi)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(_mm256_max_ps(lo, hi)),
+                           _mm256_extractf128_ps(_mm256_max_ps(lo, hi), 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float top = std::max(rows.m[r], _mm_cvtss_f32(m4));
+    const __m256 top8 = _mm256_set1_ps(top);
+    const __m256 p_lo = exp256(_mm256_sub_ps(lo, top8)), p_hi = exp256(_mm256_sub_ps(hi, top8));  // unseen: 0
+    _mm256_storeu_ps(sr, p_lo);
+    _mm256_storeu_ps(sr + 8, p_hi);
+    rows.total[r] = sum16_avx2(p_lo, p_hi);
+    rows.shift[r] = rows.m[r] - top;
+    rows.m[r] = top;
+  }
+  int64_t r = r0;
+  for (; r + 8 <= r1; r += 8) _mm256_storeu_ps(&rows.alpha[r], exp256(_mm256_loadu_ps(&rows.shift[r])));
+  for (; r < r1; ++r) rows.alpha[r] = exp1(rows.shift[r]);
+  for (r = r0; r < r1; ++r) rows.l[r] = rows.l[r] * rows.alpha[r] + rows.total[r];
+}
+#endif
 
 // One tile for the rows [r0, r1) of `rows`: scores, the softmax step, the values.
 template <typename E>
@@ -278,40 +378,11 @@ void step_tile(Rows& rows, int64_t r0, int64_t r1, int64_t first, const Tile<E>&
 #endif
     default: scores_scalar(q, n, t, hd, s);
   }
-  for (int64_t r = r0; r < r1; ++r) {
-    float* sr = rows.s.data() + r * TILE;
-    const int64_t visible = std::min(TILE, rows.seen[r] - first);  // the row's positions in this tile: [0, visible)
-    if (visible <= 0) {  // none: p = 0, alpha = 1, nothing changes
-      for (int64_t j = 0; j < TILE; ++j) sr[j] = 0.0f;
-      rows.alpha[r] = 1.0f;
-      continue;
-    }
-    float top = rows.m[r];
-    for (int64_t j = 0; j < visible; ++j) top = std::max(top, sr[j]);
-    const float alpha = exp1(rows.m[r] - top);  // 0 on the row's first tile (m = -inf)
-    int64_t j = 0;
 #if defined(__AVX2__) && defined(__FMA__)
-    if (path != Path::scalar) {
-      const __m256 top8 = _mm256_set1_ps(top);
-      const __m256 lo = exp256(_mm256_sub_ps(_mm256_loadu_ps(sr), top8));
-      const __m256 hi = exp256(_mm256_sub_ps(_mm256_loadu_ps(sr + 8), top8));
-      _mm256_storeu_ps(sr, lo);
-      _mm256_storeu_ps(sr + 8, hi);
-      j = TILE;
-    }
+  if (path != Path::scalar) softmax_avx2(rows, r0, r1, first);
+  else
 #endif
-    for (; j < TILE; ++j) sr[j] = exp1(sr[j] - top);
-    for (j = visible; j < TILE; ++j) sr[j] = 0.0f;
-    float total;
-#if defined(__AVX2__) && defined(__FMA__)
-    if (path != Path::scalar) total = sum16_avx2(_mm256_loadu_ps(sr), _mm256_loadu_ps(sr + 8));
-    else
-#endif
-      total = sum16_scalar(sr);
-    rows.l[r] = rows.l[r] * alpha + total;
-    rows.m[r] = top;
-    rows.alpha[r] = alpha;
-  }
+    softmax_scalar(rows, r0, r1, first);
   float* const* acc = rows.acc.data() + r0;
   const float* alpha = rows.alpha.data() + r0;
   switch (path) {
@@ -348,7 +419,7 @@ void attend_all(const AttentionStep& step, const E* keys, const E* values, const
       rows.n = (t1 - t0) * group;
       rows.q.assign(rows.n, nullptr), rows.acc.assign(rows.n, nullptr), rows.seen.assign(rows.n, 0);
       rows.m.assign(rows.n, -INFINITY), rows.l.assign(rows.n, 0.0f), rows.alpha.assign(rows.n, 1.0f);
-      rows.s.assign(rows.n * TILE, 0.0f);
+      rows.s.assign(rows.n * TILE, 0.0f), rows.shift.assign(rows.n, 0.0f), rows.total.assign(rows.n, 0.0f);
       for (int64_t t = t0; t < t1; ++t) {
         const bool* seen_fresh = step.mask ? step.mask + (b * T + t) * fresh : nullptr;
         int64_t n_fresh = step.pending + t + 1;  // causal: every fresh position up to its own
@@ -371,6 +442,8 @@ void attend_all(const AttentionStep& step, const E* keys, const E* values, const
       auto identity = [](int64_t i) { return i; };
       if (step.mask) shared_end = prefix / TILE * TILE;  // a tree's fresh nodes: each token's own tiles below
       for (int64_t first = 0; first < shared_end; first += TILE) {
+        const int64_t ahead = first + PREFETCH_TILES * TILE;
+        if (ahead + TILE <= shared_end && ahead % step.bs + TILE <= step.bs) prefetch_tile(src, ahead);
         const Tile<E> t = tile_at(src, first, std::min(TILE, shared_end - first), true, identity, kbuf.data(),
                                   vbuf.data());
         step_tile(rows, 0, rows.n, first, t, path);

@@ -122,8 +122,15 @@ def test_a_tokens_bits_do_not_depend_on_how_the_forward_is_cut(dtype, threads):
         q = torch.randn(n, H * HD, generator=g)
         whole = kernels().attention(q, keys, values, tables[:1], torch.tensor([0]), 0, None, H, G, n)
         for chunk in (1, 7, 32):
-            parts = [kernels().attention(q[s:s + chunk], keys, values, tables[:1], torch.tensor([s]), 0, None, H, G,
-                                         min(chunk, n - s)) for s in range(0, n, chunk)]
+            parts = []
+            for s in range(0, n, chunk):
+                # what lies past the chunk is not written yet: other numbers than the whole prefill found there
+                k2, v2 = keys.clone(), values.clone()
+                for p in range(s + chunk, 96):
+                    k2[tables[0, p // 16], :, :, p % 16] = torch.randn(G, HD, generator=g).to(dtype)
+                    v2[tables[0, p // 16], :, p % 16, :] = torch.randn(G, HD, generator=g).to(dtype)
+                parts.append(kernels().attention(q[s:s + chunk], k2, v2, tables[:1], torch.tensor([s]), 0, None, H,
+                                                 G, min(chunk, n - s)))
             assert torch.equal(torch.cat(parts), whole), chunk
         # beside another row (same keys through another table would differ: give it the same table)
         pair = kernels().attention(torch.cat([q[40:45], q[40:45]]), keys, values, tables[[0, 0]],
@@ -155,3 +162,34 @@ def test_a_tree_node_is_its_token_decoded_after_its_ancestors(dtype):
         decoded = kernels().attention(q[node:node + 1], k2, v2, tables, torch.tensor([prefix + len(path) - 1]), 0,
                                       None, H, G, 1)
         assert torch.equal(decoded, tree[node:node + 1]), node
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_prompts_cache_and_logits_are_the_same_bits_however_it_is_prefilled(dtype):
+    """Through a whole (tiny, quantized) model: a 70-token prompt prefilled whole, in chunks of 1, 5 and 16, and
+    beside another prompt in the same forward leaves the same cache entries and gives the same logits."""
+    from tests.model.test_paged_cache import model
+
+    m = model(True)
+    ids = torch.randint(3, 90, (1, 70), generator=torch.Generator().manual_seed(4))
+
+    def prefill(chunk: int, beside: bool = False):
+        cache = m.make_cache(2, 80, block_size=16, num_blocks=12, dtype=dtype)
+        logits = []
+        with torch.inference_mode():
+            for start in range(0, ids.shape[1], chunk):
+                part = ids[:, start:start + chunk]
+                if beside:  # a second row, its own prompt, in the same forwards
+                    part = torch.cat([part, torch.randint(3, 90, part.shape)])
+                out = m(part, cache=cache, slots=torch.tensor([0, 1][:part.shape[0]])).logits
+                logits.append(out[:1])
+                cache.advance(torch.tensor([0, 1][:part.shape[0]]), part.shape[1])
+        keys = torch.stack([cache.k[layer][cache.tables[0, :5]] for layer in range(len(cache.k))])
+        return torch.cat(logits, 1), keys
+
+    whole, whole_keys = prefill(70)
+    assert whole_keys.dtype == dtype
+    for chunk, beside in ((1, False), (5, False), (16, False), (16, True), (70, True)):
+        logits, keys = prefill(chunk, beside)
+        assert torch.equal(logits, whole), (chunk, beside)
+        assert torch.equal(keys, whole_keys), (chunk, beside)
