@@ -4,7 +4,8 @@
 
 For each length N (shortest first, the engines interleaved): a prompt of N tokens cut from CPython's standard library
 sources (code, as editors and agents send it), then `tokens` greedy tokens, end of text ignored. Ours: `LLM.stream`
-with no speculation, the prompt prefilled as one request alone would be; prefill tokens/s = N / time to the first
+with no speculation and no prefix cache (each prompt begins as the shorter ones do), the prompt prefilled as one
+request alone would be; prefill tokens/s = N / time to the first
 token, decode tokens/s = tokens after the first / seconds after it. llama.cpp: `llama-completion` on the same text,
 timed by its own perf print. Writes results.json, README.md (a table with the ratios) and long.png (tokens/s against
 the prompt's length) to --out.
@@ -62,13 +63,15 @@ def run_long(model: str, lengths: list[int], tokens: int, threads: int, llama_cp
     gguf = find_gguf(path) if Path(path).is_dir() else Path(path)
     peer = LlamaCpp(llama_cpp, threads) if llama_cpp else None  # refused here, before anything loads, if incomplete
     torch.set_num_threads(threads)
+    # no prefix cache: each length's prompt begins as the shorter ones did, and must be prefilled whole
     llm = LLM(str(path), speculative_config=None, max_num_seqs=1, max_model_len=max(lengths) + tokens + 8,
-              threads=threads)
+              threads=threads, enable_prefix_caching=False)
     if max(lengths) + tokens > llm.max_model_len:
         raise ConfigError(f"--lengths go up to {max(lengths)} but the model's context is {llm.max_model_len}")
     ids = llm.tokenizer.encode(source_text(6 * max(lengths)), add_special_tokens=False)
     if len(ids) < max(lengths):
         raise ConfigError(f"the standard library text has {len(ids)} tokens, fewer than --lengths' {max(lengths)}")
+    time_ours(llm, ids[:64], 4)  # the first request pays one-off costs (the kernels' first calls): not a length's
     rows = []
     for n in sorted(lengths):
         prompt = ids[:n]
