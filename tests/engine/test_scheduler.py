@@ -172,8 +172,9 @@ def test_a_sequence_retried_alone_preempts_the_others_rather_than_being_dropped(
 def test_a_failed_prefill_gives_back_every_block_it_took(tiny_models, monkeypatch):
     """Isolating failures, a prefill that raises is retried one request at a time; the rows it filled - the copies
     of a prompt shared by a request's choices too, whose references were taken before the copy raised - go back to
-    the pool at once, not when their slot is next taken."""
-    llm = engine(tiny_models, None, max_num_seqs=4)
+    the pool at once, not when their slot is next taken. (Chunked prefill off: the three same long prompts are then
+    prefilled together, one row and two copies.)"""
+    llm = engine(tiny_models, None, max_num_seqs=4, enable_chunked_prefill=False)
     llm.runner.ensure_capacity(4, llm.max_model_len, llm.tree_size)
     copy_slot = llm.runner.cache.copy_slot
     raised = []
@@ -268,4 +269,45 @@ def test_preemption_takes_the_most_recently_admitted_sequence_first(tiny_models)
     while scheduler.has_work:
         scheduler.step()
     assert all(s.finished for s in seqs)
+    assert_no_leak(llm)
+
+
+def test_a_long_prompt_alone_goes_in_chunks_that_an_abort_or_a_newcomer_does_not_wait_out(tiny_models, monkeypatch):
+    """Alone, a long prompt is prefilled in chunks of about LONE_CHUNK_SECONDS (the first of LONE_FIRST_CHUNK
+    tokens), each step one chunk: a request that arrives meanwhile starts at the next step, an abort frees the prompt's
+    row and blocks at once, and the answer is the one prefilled in a single piece."""
+    monkeypatch.setattr(scheduler_module, "LONE_FIRST_CHUNK", 8)
+    monkeypatch.setattr(scheduler_module, "LONE_CHUNK_SECONDS", 1e-9)  # the tiny model is fast: keep chunks small
+    prompt = SYSTEM + QUESTIONS[0]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    whole = engine(tiny_models, None, max_num_seqs=2, enable_chunked_prefill=False)
+    want = whole.generate([prompt], params)[0].outputs[0].token_ids
+    llm = engine(tiny_models, None, max_num_seqs=2)
+    sizes = []
+
+    def chunk_sizes(scheduler, out):
+        if scheduler.prefilling:
+            sizes.append(scheduler.prefilling[0].prefilled)
+
+    runs, scheduler, _ = drive(llm, [prompt], [params], on_step=chunk_sizes)
+    assert runs["0"].token_ids == want
+    n = len(llm.tokenizer.encode(prompt))
+    assert n > scheduler_module.CHUNKED_PREFILL_ABOVE and sizes[0] == 8 and len(sizes) >= 2  # in pieces, not whole
+    assert sizes == sorted(sizes) and sizes[-1] < n
+    assert {b - a for a, b in zip(sizes, sizes[1:])} == {scheduler_module.MIN_CHUNK}  # sized from the last's speed
+
+    # an abort between chunks: the row and its blocks go back before the next step; a newcomer starts at once
+    llm = engine(tiny_models, None, max_num_seqs=2)  # (a fresh one: the first holds the prompt in its prefix cache)
+    llm.runner.ensure_capacity(llm.max_num_seqs, llm.max_model_len, llm.tree_size)
+    scheduler = llm.make_scheduler(llm.max_num_seqs, False)
+    scheduler.add(llm.make_sequence(prompt, params, "long"))
+    scheduler.step()
+    assert [s.request_id for s in scheduler.prefilling] == ["long"] and not scheduler.running
+    assert scheduler.abort("long") is not None
+    assert not scheduler.prefilling and len(scheduler.free) == llm.max_num_seqs
+    scheduler.add(llm.make_sequence(QUESTIONS[1], params, "short"))
+    out = scheduler.step()
+    assert "short" in out.deltas and [s.request_id for s in scheduler.running] == ["short"]
+    while scheduler.has_work:
+        scheduler.step()
     assert_no_leak(llm)
