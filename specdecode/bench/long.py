@@ -55,8 +55,9 @@ def run_long(model: str, lengths: list[int], tokens: int, threads: int, llama_cp
     import torch
 
     from specdecode.catalog.registry import resolve_model
-    from specdecode.engine.llm import LLM
     from specdecode.bench.llama_cpp import LlamaCpp
+    from specdecode.engine.llm import LLM
+    from specdecode.hardware import cpu_name
     from specdecode.model.gguf import find_gguf
 
     path = resolve_model(model)
@@ -89,16 +90,6 @@ def run_long(model: str, lengths: list[int], tokens: int, threads: int, llama_cp
         rows.append(row)
     return {"model": str(path), "threads": threads, "tokens": tokens, "cpu": cpu_name(),
             "kv_cache_dtype": str(llm.runner.cache.k[0].dtype).replace("torch.", ""), "rows": rows}
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
 
 
 def markdown(results: dict) -> str:
