@@ -18,8 +18,10 @@
 //
 // Cost, Qwen2.5-Coder-1.5B (12 heads, 2 kv heads, head dim 128, 28 layers): 4 * L * 1,536 * 28 multiply-adds a new
 // token at context L, half in q.k, half in p.V, in float32 (16-bit caches widen exactly on load). On a 2-core AMD
-// EPYC (Zen 4, 256-bit path), one thread: a 512-token prefill chunk at context 3.6k ran at 40 tok/s (21 with the
-// per-(token, head) two-pass kernel before it), attention at ~60 GFLOP/s; docs/bench/long_prompt_2026-12-07.
+// EPYC (Zen 4, 256-bit path), one thread: 50-79 GFLOP/s at prefill and verify widths (~50-70% of the float32
+// peak), ~23 at one-token decode over 16k positions (waiting on the cache); the 1.5B prefilled 4,096 tokens at 47
+// tok/s, 61 at 512 (a 512-token chunk at context 3.6k: 21 tok/s with the per-(token, head) kernel before this).
+// Measured with docs/bench/long_prompt_2026-12-07/attention_bench.py and `specdecode bench long`.
 #include "quant.h"
 #include "vec.h"
 
