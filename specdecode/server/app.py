@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API over an AsyncEngine: /v1/completions (with OpenAI's suffix: fill in the middle),
 /v1/chat/completions (both with "stream": true as server-sent events), /v1/models, /health, Prometheus /metrics and
 the live /dashboard (with /dashboard/data, server/dashboard.py); and llama.cpp's own /completion and /infill, which
-code editors call (server/llama_native.py).
+code editors call (server/llama_native.py), with llama-server's aliases, /tokenize, /detokenize and /props
+(server/llama_routes.py).
 
 Every request is checked before the engine sees it (Guard: host, key, content type, body size; ServerLimits and
 the request models: everything else); anything wrong is a 4xx in OpenAI's error format. Parsing, chat template
@@ -34,7 +35,7 @@ from specdecode.sampling import SamplingParams, choice_seed
 from specdecode.server.guard import LOCAL_HOSTS, Guard
 from specdecode.speculation.grammar import Grammar
 from specdecode.server.limits import ServerLimits
-from specdecode.server import dashboard, llama_native, schema, tools
+from specdecode.server import dashboard, llama_native, llama_routes, schema, tools
 from specdecode.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, InfillRequest,
                                         LlamaCompletionRequest, bad_request, parse)
 
@@ -106,6 +107,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     dashboard.install(app, engine, model_name)
+    llama_routes.install(app, llm, model_name, f"specdecode {schema._version()}")
 
     @app.get("/v1/models")
     async def models():
