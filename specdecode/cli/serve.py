@@ -38,6 +38,9 @@ def register(sub) -> None:
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send and /v1/models lists (default: the --model argument, "
                         "or smollm2-135m-instruct for the default model)")
+    p.add_argument("--strict-model-name", action="store_true",
+                   help="answer 404 to a request naming a model other than the served one, as vLLM does (default: "
+                        "serve it with the one model, as llama-server does)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=PORT, default=8000, help="port (default 8000)")
     p.add_argument("--api-key", default=None,
@@ -295,11 +298,12 @@ def cmd_serve(args) -> int:
 
         llm_kwargs["model"] = args.model  # a name (None: the default) is fetched by each replica, on its node
         settings = ReplicaSettings(llm_kwargs, name, args.max_waiting, args.stall_timeout or STALL_TIMEOUT, key,
-                                   limits, allowed_hosts(args))
+                                   limits, allowed_hosts(args), args.strict_model_name)
         return serve_replicas(settings, deployment_settings(args), args.host, args.port, args.ray_address)
     llm = LLM(**llm_kwargs)
     engine = AsyncEngine(llm, max_waiting=args.max_waiting, stall_timeout=args.stall_timeout or STALL_TIMEOUT)
-    app = build_app(engine, name, api_key=key, limits=limits, allowed_hosts=allowed_hosts(args))
+    app = build_app(engine, name, api_key=key, limits=limits, allowed_hosts=allowed_hosts(args),
+                    strict_model_name=args.strict_model_name)
     engine.start()
     try:
         run_uvicorn(app, args.host, args.port, args.log_level, ready_line=configuration_line(llm, name, sizing),

@@ -63,8 +63,10 @@ class Prepared:
 
 
 def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, limits: ServerLimits | None = None,
-              allowed_hosts: list[str] | None = None) -> FastAPI:
-    """allowed_hosts: names the Host header may carry (default: localhost, 127.0.0.1 and ::1; "*" = any)."""
+              allowed_hosts: list[str] | None = None, strict_model_name: bool = False) -> FastAPI:
+    """allowed_hosts: names the Host header may carry (default: localhost, 127.0.0.1 and ::1; "*" = any).
+    strict_model_name: a request naming another model gets 404 (vLLM's answer); else it is served by the one model
+    (llama-server's)."""
     limits = limits or ServerLimits()
     app = FastAPI(title="specdecode", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.add_middleware(Guard, limits=limits, allowed_hosts=list(allowed_hosts or LOCAL_HOSTS), api_key=api_key)
@@ -117,7 +119,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
     # -- preparation (worker threads) -----------------------------------------------------------------------
 
     def check(req) -> None:
-        if req.model is not None and req.model != model_name:
+        if strict_model_name and req.model is not None and req.model != model_name:
             raise APIError(404, f"the model {req.model!r} does not exist; this server serves {model_name!r}",
                            param="model", code="model_not_found")
         limits.check_request(req, vocab)

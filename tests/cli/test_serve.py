@@ -30,6 +30,9 @@ def serve(tiny_models, monkeypatch, *flags, env=None):
                 seen["completion"] = (await http.post("/v1/completions", json={"prompt": "def", "max_tokens": 3},
                                                       headers={"Authorization": "bearer k"})).json()
                 seen["foreign_host"] = (await http.get("/health", headers={"Host": "evil.example"})).status_code
+                seen["other_model"] = (await http.post(
+                    "/v1/completions", json={"model": "another", "prompt": "def", "max_tokens": 1},
+                    headers={"Authorization": "bearer k"})).status_code
 
         asyncio.run(ask())
 
@@ -66,6 +69,12 @@ def test_limit_flags_reach_the_server(tiny_models, monkeypatch):
 def test_api_key_from_the_environment(tiny_models, monkeypatch):
     code, seen = serve(tiny_models, monkeypatch, env={API_KEY_ENV: "k"})
     assert code == 0 and seen["unauthorised"] == 401 and seen["models"].status_code == 200
+
+
+@pytest.mark.parametrize("flags,status", [((), 200), (("--strict-model-name",), 404)])
+def test_strict_model_name_flag_decides_the_answer_to_another_name(tiny_models, monkeypatch, flags, status):
+    code, seen = serve(tiny_models, monkeypatch, "--api-key", "k", "--max-model-len", "64", *flags)
+    assert code == 0 and seen["other_model"] == status
 
 
 def write(path, text):

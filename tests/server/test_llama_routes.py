@@ -130,3 +130,28 @@ def test_props_describe_the_server(plain):
     assert props["chat_template"] == (plain.llm.tokenizer.chat_template or "")
     assert props["build_info"].startswith("specdecode ")
     assert props["endpoint_slots"] is False
+
+
+# -- a request naming another model ----------------------------------------------------------------------------
+
+OTHER_MODEL = [("/v1/completions", {"prompt": "def f(", "max_tokens": 3, "temperature": 0, "ignore_eos": True}),
+               ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})]
+
+
+@pytest.mark.parametrize("path,body", OTHER_MODEL)
+def test_another_model_name_is_served_by_the_one_model(plain, path, body):
+    named = httpx.post(plain.url + path, json={**body, "model": "gpt-3.5-turbo"})
+    assert named.status_code == 200, named.text
+    assert named.json()["model"] == "tiny"
+    if path == "/v1/completions":
+        assert named.json()["choices"][0]["text"] == greedy(plain.llm, body["prompt"], 3)
+
+
+def test_strict_model_name_answers_404_to_another_name(tiny_models):
+    llm = LLM(tiny_models["target"], dtype="float32", max_num_seqs=1, max_model_len=64)
+    with running_server(llm, strict_model_name=True) as strict:
+        for path, body in OTHER_MODEL:
+            refused = httpx.post(strict.url + path, json={**body, "model": "gpt-3.5-turbo"})
+            assert refused.status_code == 404, refused.text
+            assert refused.json()["error"]["code"] == "model_not_found" and refused.json()["error"]["param"] == "model"
+            assert httpx.post(strict.url + path, json={**body, "model": "tiny"}).status_code == 200
