@@ -6,7 +6,7 @@ from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict
 from starlette.concurrency import run_in_threadpool
 
-from specdecode.server.protocol import bad_request, parse
+from specdecode.server.protocol import APIError, bad_request, parse
 from specdecode.server.schema import ErrorResponse
 
 ALIASES = {"/completions": "/v1/completions", "/chat/completions": "/v1/chat/completions", "/models": "/v1/models"}
@@ -111,3 +111,8 @@ def install(app: FastAPI, llm, model_name: str, build_info: str) -> None:
     @app.get("/props")
     async def props_route():
         return props
+
+    @app.get("/slots", include_in_schema=False)
+    async def slots():
+        """Off, as llama-server's is unless started with --slots (its test_server_slots expects the 501)."""
+        raise APIError(501, "This server does not support slots endpoint", type="not_supported_error")

@@ -155,3 +155,9 @@ def test_strict_model_name_answers_404_to_another_name(tiny_models):
             assert refused.status_code == 404, refused.text
             assert refused.json()["error"]["code"] == "model_not_found" and refused.json()["error"]["param"] == "model"
             assert httpx.post(strict.url + path, json={**body, "model": "tiny"}).status_code == 200
+
+
+def test_slots_is_off_as_llama_servers_is_by_default(plain):
+    response = httpx.get(plain.url + "/slots")
+    assert response.status_code == 501
+    assert response.json()["error"]["type"] == "not_supported_error"
