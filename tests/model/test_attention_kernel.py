@@ -193,3 +193,26 @@ def test_a_prompts_cache_and_logits_are_the_same_bits_however_it_is_prefilled(dt
         logits, keys = prefill(chunk, beside)
         assert torch.equal(logits, whole), (chunk, beside)
         assert torch.equal(keys, whole_keys), (chunk, beside)
+
+
+def test_tokens_written_after_pending_ones_are_the_tokens_of_one_forward():
+    """A forward whose new tokens follow `pending` uncommitted ones (a draft's later levels) writes them after those
+    and gives the logits and cache entries of one forward over all of them (the drafts' caches rely on it: a write
+    at the wrong place costs only acceptance, which no exactness test sees)."""
+    from tests.model.test_paged_cache import model
+
+    m = model(True)
+    ids = torch.randint(3, 90, (1, 12), generator=torch.Generator().manual_seed(5))
+    whole_cache = m.make_cache(1, 32, block_size=16, num_blocks=4)
+    parts_cache = m.make_cache(1, 32, block_size=16, num_blocks=4)
+    with torch.inference_mode():
+        for cache in (whole_cache, parts_cache):
+            m(ids[:, :7], cache=cache)
+            cache.advance(torch.tensor([0]), 7)
+        whole = m(ids[:, 7:], cache=whole_cache).logits
+        m(ids[:, 7:10], cache=parts_cache)  # three draft tokens, not committed
+        causal = torch.tril(torch.ones(2, 5, dtype=torch.bool), diagonal=3)[None]  # [1, 2, pending + 2]
+        later = m(ids[:, 10:], cache=parts_cache, pending=3, tree_mask=causal).logits
+    assert torch.equal(later, whole[:, 3:])
+    for parts_keys, whole_keys in zip(parts_cache.k, whole_cache.k):
+        assert torch.equal(parts_keys[parts_cache.tables[0, 0]], whole_keys[whole_cache.tables[0, 0]])
