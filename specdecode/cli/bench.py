@@ -295,11 +295,13 @@ def register_code(sub) -> None:
     p.set_defaults(func=_run("specdecode.bench.code_eval", "cmd_bench_code"))
 
 
-def _pair_args(p, target_help: str, draft_help: str) -> None:
-    """--model, --draft and --llama-cpp of the workloads that race the Qwen pair against llama.cpp."""
+def _pair_args(p, target_help: str, draft_help: str | None) -> None:
+    """--model, --draft (unless draft_help is None) and --llama-cpp of the workloads that race the Qwen pair (or its
+    target alone) against llama.cpp."""
     p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct",
                    help=f"{target_help} (default qwen2.5-coder-1.5b-instruct)")
-    p.add_argument("--draft", default=None, help=f"{draft_help} (default: the target's catalog draft)")
+    if draft_help is not None:
+        p.add_argument("--draft", default=None, help=f"{draft_help} (default: the target's catalog draft)")
     p.add_argument("--llama-cpp", type=Path, default=None, metavar="BIN_DIR",
                    help="also llama.cpp (a bin directory built by scripts/build_llama_cpp.sh) on the same files")
 
@@ -374,10 +376,7 @@ def register_long(sub) -> None:
                                    "then --tokens greedy tokens; ours (no speculation) and, with --llama-cpp, "
                                    "llama-completion on the same text. Writes results.json, README.md and long.png "
                                    "(tokens/s against the prompt's length) to --out.")
-    p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct",
-                   help="a model name or .gguf (default qwen2.5-coder-1.5b-instruct)")
-    p.add_argument("--llama-cpp", type=Path, default=None, metavar="BIN_DIR",
-                   help="also llama.cpp (a bin directory built by scripts/build_llama_cpp.sh) on the same file")
+    _pair_args(p, "a model name or .gguf", None)
     p.add_argument("--lengths", type=int_list, default=[512, 1024, 2048, 4096, 8192, 16384],
                    help="comma-separated prompt lengths in tokens (default 512,1024,2048,4096,8192,16384)")
     p.add_argument("--tokens", type=TOKENS, default=32, help="greedy tokens after each prompt (default 32)")
