@@ -96,7 +96,7 @@ def register(sub) -> None:
                    help="with --speed: wall (default) or cpu, the thread's CPU time (for a machine shared with "
                         "other jobs)")
     p.set_defaults(func=cmd_bench)
-    tools = p.add_subparsers(dest="bench_command", metavar="serve|soak|fuzz|code|perplexity|assistant|fim|long")
+    tools = p.add_subparsers(dest="bench_command", metavar="serve|soak|fuzz|code|perplexity|assistant|fim|long|peer-tests")
     register_serve(tools)
     register_soak(tools)
     register_fuzz(tools)
@@ -106,6 +106,7 @@ def register(sub) -> None:
     register_fim(tools)
     register_sessions(tools)
     register_long(tools)
+    register_peer_tests(tools)
 
 
 def _checkpoints(args) -> tuple[Path, Path | None]:
@@ -384,6 +385,30 @@ def register_long(sub) -> None:
     p.add_argument("--out", type=Path, default=Path("bench_results/long"), help="output folder (default "
                                                                                  "bench_results/long)")
     p.set_defaults(func=_run("specdecode.bench.long", "cmd_bench_long"))
+
+
+def register_peer_tests(sub) -> None:
+    from specdecode.bench.peer_tests import DEFAULT_MODEL, UNIT_FILES
+
+    p = sub.add_parser("peer-tests", help="llama.cpp's own server test suite against `specdecode serve`",
+                       description="Fetch llama.cpp's server tests (tools/server/tests of the pinned llama-cpp-python "
+                                   "sdist, checked by sha256), install their requirements (pinned) in a venv of their "
+                                   "own, and run their fast tier with a launcher that maps llama-server's flags onto "
+                                   "`specdecode serve`; classify every test (passed, model-dependent, deliberate, "
+                                   "not-supported, protocol) from specdecode/bench/workloads/peer_tests_classes.json "
+                                   "and print the counts per class. Writes results.json, junit.xml, pytest.log.")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"the served model (default {DEFAULT_MODEL})")
+    p.add_argument("--files", default=None,
+                   help=f"comma-separated unit files of the suite (default: {','.join(UNIT_FILES)})")
+    p.add_argument("-k", dest="select", default=None, help="only the tests pytest -k selects")
+    p.add_argument("--threads", type=THREADS, default=1, help="each server's threads (default 1)")
+    p.add_argument("--test-timeout", type=POSITIVE, default=120, help="seconds a test may take (default 120)")
+    p.add_argument("--work-dir", type=Path, default=Path("~/.cache/specdecode/peer_tests"),
+                   help="where the sdist, the suite and its venv go (default ~/.cache/specdecode/peer_tests)")
+    p.add_argument("--out", type=Path, default=Path("bench_results/peer_tests"),
+                   help="output folder (default bench_results/peer_tests)")
+    p.add_argument("-v", "--verbose", action="store_true", help="list every unclassified or protocol failure")
+    p.set_defaults(func=_run("specdecode.bench.peer_tests", "cmd_peer_tests"))
 
 
 def register_perplexity(sub) -> None:
