@@ -209,7 +209,8 @@ def register_serve(sub) -> None:
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer token for --base-url")
     p.add_argument("--served-model", default=None, help="model name to send (default: the first of /v1/models)")
     p.add_argument("--model", default=SMALL_MODEL, help="our servers' --model, and the tokenizer that sizes max_tokens "
-                                                 "(default smollm2-135m-instruct)")
+                                                 "(default smollm2-135m-instruct, whose figures docs/benchmarks.md "
+                                                 "records; qwen2.5-coder-1.5b-instruct for the default model)")
     p.add_argument("--modes", default="off,fixed,adaptive", help="our servers: comma-separated off, fixed, adaptive")
     p.add_argument("--speculative-method", default="ngram", help="method of the fixed and adaptive servers")
     p.add_argument("--num-speculative-tokens", type=SPECULATIVE_TOKENS, default=5,

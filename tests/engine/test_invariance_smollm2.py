@@ -2,11 +2,13 @@
 fused kernels where they build), every method gives plain decoding's answer: greedy and seeded sampled (the race),
 alone and sharing a batch with other requests. docs/bench/invariance/invariance.py measured the same on 100
 held-out prompts x 128 tokens at batch 1, 8 and 32 with adaptive speculation (docs/bench/invariance); here K is
-fixed at 3, so that every step drafts."""
+fixed at 3, so that every step drafts. REST drafts from a datastore built here from the plain answers' text, so the
+suite fetches no ShareGPT (the README says what it fetches: SmolLM2 only)."""
 import pytest
 
 from specdecode.engine.llm import LLM
 from specdecode.sampling import SamplingParams
+from specdecode.speculation.datastore import build_datastore
 
 QUESTIONS = ["What is the capital of France?", "Write a Python function that reverses a string.",
              "Summarise: the cat sat on the mat because the mat was warm and the sun was out."]
@@ -36,6 +38,16 @@ def plain(smollm2):
     return llm, answers(llm, together=False)
 
 
+@pytest.fixture(scope="module")
+def small_datastore(plain, tmp_path_factory):
+    """A REST datastore of the plain answers' text: greedy drafts are all accepted, sampled ones partly."""
+    llm, alone = plain
+    folder = tmp_path_factory.mktemp("rest") / "answers"
+    build_datastore([llm.tokenizer.decode(ids) for ids in alone], llm.tokenizer, folder, "plain answers",
+                    progress=False)
+    return folder
+
+
 def test_plain_answers_do_not_depend_on_the_batch(plain):
     llm, alone = plain
     assert answers(llm, together=True) == alone
@@ -43,10 +55,13 @@ def test_plain_answers_do_not_depend_on_the_batch(plain):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", METHODS)
-def test_every_method_gives_plain_answers_alone_and_in_a_batch(smollm2, plain, method):
+def test_every_method_gives_plain_answers_alone_and_in_a_batch(smollm2, plain, method, request):
     reference_llm, reference = plain
+    config = {"method": method, "num_speculative_tokens": 3, "adaptive": False}
+    if method == "rest":  # not the ShareGPT datastore built on first use: the suite downloads SmolLM2 only
+        config["model"] = str(request.getfixturevalue("small_datastore"))
     llm = LLM("smollm2-135m-instruct", max_num_seqs=4, max_model_len=256,  # by name: its shipped speculators
-              speculative_config={"method": method, "num_speculative_tokens": 3, "adaptive": False})
+              speculative_config=config)
     assert llm.quantization == reference_llm.quantization and llm.target.dtype == reference_llm.target.dtype
     assert answers(llm, together=False) == reference
     assert answers(llm, together=True) == reference
