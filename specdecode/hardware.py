@@ -62,3 +62,19 @@ def available_memory() -> int | None:
     except (OSError, ValueError):
         pass
     return available
+
+
+def return_free_memory() -> None:
+    """Give the C heap's free pages back to the system (glibc's malloc_trim): loading leaves hundreds of MB of
+    freed requantization and packing buffers in the heap (the pair: 0.6 GB of a 2.6 GB process), which would
+    otherwise count as resident for the process's whole life. A no-op without glibc."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        trim = None
+    if trim is not None:
+        trim(0)

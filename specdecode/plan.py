@@ -31,6 +31,13 @@ MAX_PREFILL_TOKENS = 4096
 """The most tokens one prefill runs (a batch's rows padded to its longest): a longer prompt is prefilled in chunks
 of this many (engine/scheduler.py), which bounds the activations' peak of a paged plan."""
 
+RUNTIME_BYTES = 300 * 2**20
+"""What a server process holds beside its models and caches: Python, torch, the server's libraries and the compiled
+kernels (measured 0.23-0.30 GiB on torch 2.13, Linux x86-64; printed by `plan`, not planned within the budget: the
+budget is what the models and caches may take)."""
+TOKENIZER_BYTES_PER_TOKEN = 512
+"""A loaded tokenizer's memory per vocabulary entry (Qwen2.5's 151,936 entries: 68-78 MB measured)."""
+
 DEFAULT_HEADROOM = 0.15
 """Fraction of the budget never planned for (the seeds' advice: keep 15-20%)."""
 
@@ -76,6 +83,8 @@ class MemoryPlan:
     draft_paged: bool = False
     """Whether the draft's KV cache shares the paged layout (a draft model: yes; EAGLE's one-layer cache: no, it
     keeps a row of max_model_len per sequence)."""
+    runtime: int = 0
+    """Bytes of the process beside the models and caches (RUNTIME_BYTES and the tokenizer), outside the budget."""
 
     def kv_per_seq(self) -> int:
         return sum(m.kv_per_position * (self.max_model_len + m.kv_extra_positions) for m in (self.target, self.draft))
@@ -186,6 +195,10 @@ class MemoryPlan:
                          f" ({(self.budget - self.planned()) / self.budget:.0%} of the budget unused in all)")
         else:
             lines.append(f"{'short by':<48} {-left / GiB:9.3f} GiB")
+        lines.append(f"{'runtime (Python, torch, tokenizer), beside it':<48} {self.runtime / GiB:9.3f} GiB")
+        idle = self.target.weights + self.draft.weights + self.runtime
+        lines.append(f"resident when idle (models and runtime): {idle / GiB:.2f} GiB; the KV cache's pages are taken "
+                     f"as blocks are first used, up to {(self.planned() + self.runtime) / GiB:.2f} GiB")
         if paged:
             lines.append(f"the pool holds {self.pool_positions():,} positions: "
                          f"{self.pool_positions() // self.max_model_len} sequences of {self.max_model_len}, "
@@ -208,15 +221,20 @@ def _layer_other_params(c: ModelConfig) -> int:
 
 
 def model_memory(c: ModelConfig, itemsize: int, kv_itemsize: int, packed: bool, tp: int = 1,
-                 extra_positions: int = 0, quantized: float | None = None) -> Memory:
+                 extra_positions: int = 0, quantized: float | None = None, in_file: bool = False,
+                 head_rows: int | None = None) -> Memory:
     """A decoder's weights and KV cache per position on one of tp ranks. quantized: bytes per weight of the
-    matrices where they stay block-quantized (model/quant.py; no packed copies then)."""
+    matrices where they stay block-quantized (model/quant.py; no packed copies then); in_file: a GGUF's, whose
+    embedding rows are read from the file's memory map (not resident: only the output head's packed copy counts);
+    head_rows: rows of the output head (a draft's restricted vocabulary, draft_model.py's DRAFT_VOCAB)."""
     linear = c.num_hidden_layers * _layer_linear_params(c, tp)
     embed = c.vocab_size * c.hidden_size
     matrices = linear + embed * (1 if c.tie_word_embeddings else 2)
     other = c.num_hidden_layers * _layer_other_params(c) + c.hidden_size  # norms, biases; the final norm
     kv = 2 * c.num_hidden_layers * (c.num_key_value_heads // tp) * c.head_dim * kv_itemsize
     if quantized is not None:
+        if in_file:
+            matrices = linear + (c.vocab_size if head_rows is None else head_rows) * c.hidden_size
         return Memory(int(matrices * quantized) + other * itemsize, kv, extra_positions)
     copies = (linear + embed) if packed else 0  # every linear layer, the LM head too (tied or not)
     return Memory((matrices + other + copies) * itemsize, kv, extra_positions)
@@ -283,16 +301,18 @@ def plan_memory(model_dir: str | Path, budget: int, max_model_len: int | None, m
     config = read_config(model_dir)
     check_divisible(config, tensor_parallel_size)
     device = resolve_device(device)
-    dtype = resolve_dtype(dtype, device)
-    itemsize = dtype.itemsize
     quantized = quantized_bytes_per_weight(Path(model_dir), quantization)
+    # kept-quantized matrices run float32 activations under "auto" (as load_model decides)
+    dtype = resolve_dtype("float32" if quantized is not None and dtype == "auto" else dtype, device)
+    itemsize = dtype.itemsize
     # see LlamaForCausalLM.kv_dtype: float16 on CPU where the fused kernels run (kept-quantized float32 models)
     kv_itemsize = (2 if quantized is not None and itemsize == 4 else 4) if device.type == "cpu" else itemsize
     target_kv_itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}.get(kv_cache_dtype, kv_itemsize)
     packed = resolve_backend("auto", device, dtype) == "onednn"
     max_model_len = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
     tree = speculative.tree_size if speculative is not None else 0
-    target = model_memory(config, itemsize, target_kv_itemsize, packed, tensor_parallel_size, tree + 2, quantized)
+    target = model_memory(config, itemsize, target_kv_itemsize, packed, tensor_parallel_size, tree + 2, quantized,
+                          in_file=quantization == "gguf")
     draft = Memory(0)
     counted = speculative.method_info.memory(speculative) if speculative is not None else None
     if counted is not None:
@@ -300,12 +320,20 @@ def plan_memory(model_dir: str | Path, budget: int, max_model_len: int | None, m
         if counted == "decoder":  # a draft checkpoint: block-quantized beside a block-quantized target (as shipped
             # if a GGUF, else Q8_0: draft_model.py)
             from specdecode.model.gguf import find_gguf
-            from specdecode.model.quant import SPECULATOR_FORMAT
+            from specdecode.model.quant import SPECULATOR_FORMAT, bytes_per_weight
+            from specdecode.speculation.proposers.draft_model import DRAFT_VOCAB, LIGHT_FORMAT
 
             draft_quantization = None if quantization is None else (
                 "gguf" if find_gguf(speculative.model) is not None else SPECULATOR_FORMAT)
-            draft = model_memory(read_config(speculative.model), itemsize, kv_itemsize, packed, 1, extra,
-                                 quantized_bytes_per_weight(Path(speculative.model), draft_quantization))
+            draft_config = read_config(speculative.model)
+            per_weight = quantized_bytes_per_weight(Path(speculative.model), draft_quantization)
+            head_rows = None
+            if per_weight is not None:  # (draft_model.py: a restricted head; a GGUF's matrices lightened)
+                head_rows = DRAFT_VOCAB if draft_config.vocab_size > 2 * DRAFT_VOCAB else None
+                if draft_quantization == "gguf":
+                    per_weight = min(per_weight, bytes_per_weight(LIGHT_FORMAT))
+            draft = model_memory(draft_config, itemsize, kv_itemsize, packed, 1, extra, per_weight,
+                                 in_file=draft_quantization == "gguf", head_rows=head_rows)
         else:  # "heads": a speculator directory
             draft = head_memory(Path(speculative.model), config, itemsize, kv_itemsize, packed, extra)
     d, tp = config.hidden_size, tensor_parallel_size
@@ -314,7 +342,8 @@ def plan_memory(model_dir: str | Path, budget: int, max_model_len: int | None, m
     step_logits = (1 + tree) * config.vocab_size * 4 * 2  # float32 logits and processed probabilities
     activation_per_seq = max_model_len * per_token + step_logits
     return MemoryPlan(budget, headroom, max_model_len, max_num_seqs, target, draft, activation_per_seq, tp,
-                      block_size if tp == 1 else None, per_token, step_logits, counted == "decoder")
+                      block_size if tp == 1 else None, per_token, step_logits, counted == "decoder",
+                      RUNTIME_BYTES + TOKENIZER_BYTES_PER_TOKEN * config.vocab_size)
 
 
 def memory_budget_bytes(device: torch.device, memory_budget: int | None,

@@ -52,6 +52,10 @@ def register(sub) -> None:
                    help="comma-separated host names clients may address the server by, besides the --host address, "
                         "localhost, 127.0.0.1 and ::1 (requests with any other Host header get 400, against DNS "
                         "rebinding); '*' allows any")
+    p.add_argument("--cors-origins", default=None,
+                   help="web pages that may call the server from a browser, as llama-server's flag: '*' (any page), "
+                        "'localhost' (pages served from this machine) or comma-separated origins (default: none; "
+                        "llama-server's default is '*')")
     p.add_argument("--max-num-seqs", type=MAX_NUM_SEQS, default=None,
                    help=f"sequences decoded at once (default: as many as fit the memory available, at most "
                         f"{DEFAULT_MAX_NUM_SEQS})")
@@ -128,8 +132,11 @@ class Sizing:
     """What the start-up plan found, for the ready line."""
 
     planned: int | None = None
-    """Bytes the process will hold: the plan's weights, whole KV pool and activations, plus what Python and torch
-    held before the models loaded (None: no plan, nothing known of the memory)."""
+    """Bytes the process may come to hold: the plan's weights, whole KV pool and activations, plus what Python and
+    torch held before the models loaded (None: no plan, nothing known of the memory)."""
+    growth: int | None = None
+    """Bytes beyond what it holds when idle that it may come to hold: the whole KV pool (its pages are taken as
+    blocks are first written, model/cache.py's lazy_zeros) and the activations of the largest pass."""
     available: int | None = None
     """Bytes available at start-up that --memory-fraction took its share of (None: a budget was given)."""
 
@@ -221,7 +228,7 @@ def size_batch(args, model_dir, config) -> Sizing:
     args.max_model_len = plan.max_model_len
     if available is not None:  # the engine allocates the budget planned here
         args.memory_budget = plan.budget / 2**30
-    return Sizing(plan.planned() + runtime, available)
+    return Sizing(plan.planned() + runtime, growth=plan.kv() + plan.activations(), available=available)
 
 
 def fit_one_sequence(plan, plan_for, max_model_len: int, available: int):
@@ -247,7 +254,12 @@ def configuration_line(llm, name: str, sizing: Sizing) -> str:
     threads = torch.get_num_threads()
     memory = ""
     if sizing.planned is not None:
-        memory = f", {sizing.planned / 2**30:.2f} GiB planned (models, KV pool, activations, runtime)"
+        if sizing.growth is None:
+            memory = f", {sizing.planned / 2**30:.2f} GiB planned (models, KV pool, activations, runtime)"
+        else:  # what it holds now (the models and the runtime), and what the pool and a long prefill may add
+            idle = resident_bytes()
+            memory = (f", {idle / 2**30:.2f} GiB resident, up to {(idle + sizing.growth) / 2**30:.2f} GiB planned "
+                      "as the KV pool fills")
         if sizing.available is not None:
             memory += f" of {sizing.available / 2**30:.1f} GiB available"
     from specdecode.model.quant import quantized_format
@@ -298,12 +310,12 @@ def cmd_serve(args) -> int:
 
         llm_kwargs["model"] = args.model  # a name (None: the default) is fetched by each replica, on its node
         settings = ReplicaSettings(llm_kwargs, name, args.max_waiting, args.stall_timeout or STALL_TIMEOUT, key,
-                                   limits, allowed_hosts(args), args.strict_model_name)
+                                   limits, allowed_hosts(args), args.strict_model_name, args.cors_origins)
         return serve_replicas(settings, deployment_settings(args), args.host, args.port, args.ray_address)
     llm = LLM(**llm_kwargs)
     engine = AsyncEngine(llm, max_waiting=args.max_waiting, stall_timeout=args.stall_timeout or STALL_TIMEOUT)
     app = build_app(engine, name, api_key=key, limits=limits, allowed_hosts=allowed_hosts(args),
-                    strict_model_name=args.strict_model_name)
+                    strict_model_name=args.strict_model_name, cors_origins=args.cors_origins)
     engine.start()
     try:
         run_uvicorn(app, args.host, args.port, args.log_level, ready_line=configuration_line(llm, name, sizing),

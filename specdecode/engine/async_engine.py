@@ -21,6 +21,7 @@ from specdecode.engine.metrics import EngineMetrics
 from specdecode.engine.scheduler import SchedulerOutput
 from specdecode.engine.sequence import Sequence
 from specdecode.errors import ConfigError
+from specdecode.hardware import return_free_memory
 from specdecode.sampling import SamplingParams, params_tensors
 
 log = logging.getLogger("specdecode.engine")
@@ -228,6 +229,8 @@ class AsyncEngine:
     def _loop(self) -> None:
         scheduler = self.scheduler
         while True:
+            if not (self._incoming or self._aborts or scheduler.can_progress):  # (read without the lock: a hint)
+                return_free_memory()  # going idle: the heap's freed activations go back (a few ms)
             with self._cond:
                 while not (self._incoming or self._aborts or scheduler.can_progress or self._stopping):
                     self._cond.wait()

@@ -21,6 +21,7 @@ from specdecode.engine.scheduler import Scheduler
 from specdecode.engine.sequence import RequestOutput, Sequence, SpecStats
 from specdecode.engine.step import StepRunner
 from specdecode.errors import ConfigError
+from specdecode.hardware import return_free_memory
 from specdecode.model.cache import BLOCK_SIZE, KV_DTYPES
 from specdecode.model.fim import FimTokens, fim_ids, require_fim
 from specdecode.model.loading import read_config, resolve_device, resolve_quantization
@@ -140,6 +141,7 @@ class LLM:
         self._ids = itertools.count()
         if self.plan is not None:  # allocate what the plan counted now, not at the first long request
             self.runner.ensure_capacity(self.max_num_seqs, self.max_model_len, self.tree_size)
+        return_free_memory()  # (what loading, requantizing and timing freed)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (they also stop when this LLM is collected)."""

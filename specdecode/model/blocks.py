@@ -32,7 +32,9 @@ class BlockPool:
         self.refs = numpy.zeros(num_blocks, dtype=numpy.int64)
         """Table entries naming each block (an array, so that a batch's counts are one vectorized lookup)."""
         self.empty: collections.deque[int] = collections.deque(range(num_blocks))
-        """Unreferenced blocks with no indexed content."""
+        """Unreferenced blocks with no indexed content, the next one handed out first: freed blocks go to the front,
+        so the blocks ever used (the pool's resident memory, model/cache.py's lazy_zeros) stay as few as the most
+        held at once."""
         self.cached: collections.OrderedDict[int, None] = collections.OrderedDict()
         """Unreferenced blocks whose content is indexed, least recently released first."""
         self.by_key: dict[tuple[int, tuple[int, ...]], int] = {}
@@ -76,7 +78,7 @@ class BlockPool:
             if block in self.key_of:
                 self.cached[block] = None
             else:
-                self.empty.append(block)
+                self.empty.appendleft(block)
 
     def shared(self, block: int) -> bool:
         """Whether writing into the block would change what someone else reads: another sequence references it,
@@ -105,7 +107,7 @@ class BlockPool:
             del self.content_id[block]
             if block in self.cached:  # unreferenced: now simply empty
                 del self.cached[block]
-                self.empty.append(block)
+                self.empty.appendleft(block)
 
     def lookup(self, parent: int, tokens: tuple[int, ...]) -> int | None:
         return self.by_key.get((parent, tokens))

@@ -17,6 +17,7 @@ them through the table in order of position (the fused kernel, kernels/layer.cpp
 from __future__ import annotations
 
 import collections
+import mmap
 
 import numpy
 import torch
@@ -26,6 +27,22 @@ from specdecode.model.blocks import BLOCK_SIZE, ROOT, BlockPool, CacheFull
 KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 """What keys and values may be stored as (the fused kernels widen 16-bit entries exactly and round new ones to
 nearest): half the memory of float32 for a little rounding of every cached entry."""
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """Zeros whose memory is taken as it is first written: on the CPU an anonymous memory map (the kernel hands
+    out zeroed pages on first touch), so a pool planned for many positions is resident only where blocks were
+    used (the pool hands blocks out lowest first and reuses freed ones first, model/blocks.py); elsewhere plain
+    zeros."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    count = 1
+    for size in shape:
+        count *= size
+    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    if nbytes < mmap.PAGESIZE:
+        return torch.zeros(shape, dtype=dtype)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)  # the tensor keeps the map alive
 
 
 class KVCache:
@@ -46,9 +63,9 @@ class KVCache:
         self.block_size = block_size if paged else max_len
         width = -(-max_len // self.block_size)
         blocks = (num_blocks or slots * width) if paged else slots
-        self.k = [torch.zeros(blocks, kv_heads, head_dim, self.block_size, dtype=dtype, device=device)
+        self.k = [lazy_zeros((blocks, kv_heads, head_dim, self.block_size), dtype, device)
                   for _ in range(num_layers)]
-        self.v = [torch.zeros(blocks, kv_heads, self.block_size, head_dim, dtype=dtype, device=device)
+        self.v = [lazy_zeros((blocks, kv_heads, self.block_size, head_dim), dtype, device)
                   for _ in range(num_layers)]
         self.max_len = max_len
         self.device = torch.device(device)
@@ -346,8 +363,8 @@ class KVCache:
         if num_blocks <= old:
             return
         for layer in range(len(self.k)):
-            k = self.k[layer].new_zeros((num_blocks, *self.k[layer].shape[1:]))
-            v = self.v[layer].new_zeros((num_blocks, *self.v[layer].shape[1:]))
+            k = lazy_zeros((num_blocks, *self.k[layer].shape[1:]), self.k[layer].dtype, self.k[layer].device)
+            v = lazy_zeros((num_blocks, *self.v[layer].shape[1:]), self.v[layer].dtype, self.v[layer].device)
             k[:old], v[:old] = self.k[layer], self.v[layer]
             self.k[layer], self.v[layer] = k, v
         self.pool.refs = numpy.concatenate([self.pool.refs, numpy.zeros(num_blocks - old, dtype=self.pool.refs.dtype)])

@@ -22,6 +22,7 @@ from specdecode.model.gguf_cache import gguf_model_config, read_gguf
 from specdecode.model.linear import QUANTIZATIONS as FLOAT_QUANTIZATIONS
 from specdecode.model.linear import prepare_for_inference
 from specdecode.model.llama import LlamaForCausalLM
+from specdecode.model.packed_store import keep_packed, store_for
 from specdecode.model.quant import BLOCKS, GGUF_FORMATS, QuantEmbedding, attach_quantized, quantize_linears
 from specdecode.model.quant import QUANTIZATIONS as KEPT_QUANTIZATIONS
 
@@ -160,7 +161,8 @@ def check_quantization(quantization: str | None, model_dir: Path, device: torch.
 
 def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
                device: str | torch.device | None = None, quantization: str | None = None,
-               shard: Callable[[LlamaForCausalLM], LlamaForCausalLM] | None = None) -> LlamaForCausalLM:
+               shard: Callable[[LlamaForCausalLM], LlamaForCausalLM] | None = None,
+               keep: bool = True) -> LlamaForCausalLM:
     """Build the decoder of a checkpoint (HF directory with config.json + safetensors, a .gguf file, or a
     directory holding one .gguf) and fill it with its weights.
 
@@ -169,7 +171,10 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
     Q8_0/Q4_0/Q4_1 matrices kept as shipped, model/quant.py); "q8_0", "q4_0", "q4_1" (every matrix quantized to
     that format at load). dtype is then the activations' dtype.
     shard: applied to the loaded model before it moves to the device and gets its linear kernels (tensor
-    parallelism keeps one rank's share there, see dist/tp.py)."""
+    parallelism keeps one rank's share there, see dist/tp.py).
+    keep: a GGUF's packed matrices are kept in the cache for the next start (packed_store.py); a caller that
+    changes the model's matrices after this (a draft: its restricted head, its lightened matrices) passes False
+    and keeps them itself (keep_packed), so that what it replaced is never packed."""
     model_dir = Path(model_dir)
     device = resolve_device(device)
     check_quantization(quantization, model_dir, device)
@@ -198,8 +203,8 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
             raise CheckpointError(f"weight {name} in {model_dir} has shape {_shape(tensor)}, {described_by} "
                                   f"implies {tuple(want)}; the weights and the config do not match")
     if quantization == "gguf":
-        attach_quantized(model, state, dtype)  # the shipped matrices become modules; state keeps the rest
-        release_pages(find_gguf(model_dir))  # packed: the file's pages need not stay resident
+        store = store_for(find_gguf(model_dir))
+        attach_quantized(model, state, dtype, store)  # the shipped matrices become modules; state keeps the rest
     state = {k: v.to(dtype) for k, v in state.items() if k in expected}
     model.load_state_dict(state, assign=True, strict=False)
     if config.tie_word_embeddings and not isinstance(model.model.embed_tokens, QuantEmbedding):
@@ -208,6 +213,9 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
         model = shard(model)
     if quantization in KEPT_QUANTIZATIONS and quantization != "gguf":
         quantize_linears(model.eval(), quantization)
+    if quantization == "gguf" and keep:
+        keep_packed(model, store)
+        release_pages(find_gguf(model_dir))  # packed: the file's pages need not stay resident
     # The platform's fastest linear kernels, or weight-only int8 (quantization="int8").
     float_quantization = quantization if quantization in FLOAT_QUANTIZATIONS else None
     return prepare_for_inference(model.to(device).eval(), quantization=float_quantization)

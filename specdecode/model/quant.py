@@ -18,6 +18,8 @@ dequantized copy made on access (for the few readers of whole tables, e.g. a spe
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import torch
 from torch import nn
@@ -106,7 +108,10 @@ class QuantLinear(nn.Module):
     map) and writes its columns of the output."""
 
     def __init__(self, parts: list[Part] | Part, in_features: int, out_features: int,
-                 bias: torch.Tensor | None = None, dtype: torch.dtype = torch.float32):
+                 bias: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
+                 packed: list[Callable[[], torch.Tensor]] | None = None, stored: tuple[str, ...] = ()):
+        """packed: per part, what gives its packed matrix when a product first needs it (a PackedStore's map, or
+        packing then); None packs every part now. stored: the names in that store this module's tensors go by."""
         super().__init__()
         parts = [parts] if isinstance(parts, tuple) else list(parts)
         for fmt, rows in parts:
@@ -121,10 +126,15 @@ class QuantLinear(nn.Module):
         self.formats = [fmt for fmt, _ in parts]
         self.format_ids = [FORMATS[fmt] for fmt in self.formats]
         module = require_kernels()
+        self._unpacked: dict[int, Callable[[], torch.Tensor]] = {}
+        self.stored = stored
         for i, (fmt, rows) in enumerate(parts):
             self.register_buffer(f"qweight{i}", rows)  # as shipped (a GGUF's memory map): for .weight and saving
             # turned around once for the kernels (8 rows interleaved, quant.cpp's pack): what a product reads
-            self.register_buffer(f"packed{i}", module.pack(rows.contiguous(), FORMATS[fmt], in_features))
+            if packed is None:
+                self.register_buffer(f"packed{i}", module.pack(rows.contiguous(), FORMATS[fmt], in_features))
+            else:
+                self._unpacked[i] = packed[i]
         self.in_features, self.out_features = in_features, out_features
         self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
         self.value_dtype = dtype  # what state_dict() and .weight give, and the output's dtype
@@ -145,9 +155,19 @@ class QuantLinear(nn.Module):
     def qweights(self) -> list[torch.Tensor]:
         return [getattr(self, f"qweight{i}") for i in range(len(self.formats))]
 
+    def packing(self, i: int) -> Callable[[], torch.Tensor]:
+        """What gives part i's packed matrix (for a module made of some of this one's parts)."""
+        if i in self._unpacked:
+            return self._unpacked[i]
+        tensor = getattr(self, f"packed{i}")
+        return lambda: tensor
+
     @property
     def packed(self) -> list[torch.Tensor]:
         """The parts as the kernels read them (quant.cpp's pack)."""
+        while self._unpacked:
+            i, make = self._unpacked.popitem()
+            self.register_buffer(f"packed{i}", make())
         return [getattr(self, f"packed{i}") for i in range(len(self.formats))]
 
     @property
@@ -218,20 +238,40 @@ def quantize_linears(model: nn.Module, fmt: str) -> nn.Module:
     return model
 
 
-def lighten(model: nn.Module, fmt: str = "q4_0") -> nn.Module:
+def lighten(model: nn.Module, fmt: str = "q4_0", store=None) -> nn.Module:
     """Every block-quantized matrix of model held in more bits per weight than `fmt` requantized to it, in place;
     returns model. For drafts, whose step is memory-bound and need not be exact (the verifier is): Qwen2.5-Coder-0.5B
     (Q5_0/Q8_0/Q6_K/Q4_K, 64k-row head) reads 235 MB a step instead of 310, its forward 11.9 ms instead of 16.6
     (Zen 4, one thread), and drafting for the 1.5B was accepted as often (115 vs 116 and 124 vs 124 tokens on two
-    code prompts)."""
+    code prompts). store: a PackedStore (packed_store.py) of the model's GGUF that keeps the requantized rows and
+    their packed matrices (the model's modules then name their parts in it), or None."""
     limit = bytes_per_weight(fmt)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, QuantLinear) and any(bytes_per_weight(f) > limit for f in child.formats):
+            if not isinstance(child, QuantLinear) or all(bytes_per_weight(f) <= limit for f in child.formats):
+                continue
+            if store is None or not child.stored:
                 parts = [(fmt, quantize(dequantize(rows, f, child.in_features), fmt)) if bytes_per_weight(f) > limit
                          else (f, rows) for f, rows in zip(child.formats, child.qweights)]
                 setattr(parent, name, QuantLinear(parts, child.in_features, child.out_features, child.bias,
                                                   child.value_dtype))
+                continue
+            parts, packed, stored = [], [], []
+            for i, (f, rows) in enumerate(zip(child.formats, child.qweights)):
+                key = child.stored[i]
+                if bytes_per_weight(f) > limit:  # requantized once, then read from the store
+                    key = key.removesuffix(":packed") + f"@{fmt}"
+                    rows = store.get(key + ":rows", lambda rows=rows, f=f: quantize(
+                        dequantize(rows, f, child.in_features), fmt))
+                    parts.append((fmt, rows))
+                    packed.append(stored_packing(store, key, fmt, rows, child.in_features))
+                    stored += [key + ":rows", key + ":packed"]
+                else:
+                    parts.append((f, rows))
+                    packed.append(child.packing(i))
+                    stored.append(key)
+            setattr(parent, name, QuantLinear(parts, child.in_features, child.out_features, child.bias,
+                                              child.value_dtype, packed, tuple(stored)))
     model.__dict__.pop("_fused_layers", None)  # (the fused layers' arguments are gathered again)
     return model
 
@@ -262,12 +302,27 @@ STACKS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_a
 """The decoder's stacked matrices (llama.py's stack_under_hf_names) and the checkpoint matrices they hold."""
 
 
-def attach_quantized(model: nn.Module, state: dict, dtype: torch.dtype) -> None:
+def stored_packing(store, key: str, fmt: str, rows: torch.Tensor, in_features: int) -> Callable[[], torch.Tensor]:
+    """What gives the packed matrix of the rows stored as `key`: the store's map, else packing them then."""
+    module = require_kernels()
+    return lambda: store.get(key + ":packed", lambda: module.pack(rows.contiguous(), FORMATS[fmt], in_features))
+
+
+def attach_quantized(model: nn.Module, state: dict, dtype: torch.dtype, store=None) -> None:
     """Put the quantized matrices of `state` (name -> (format, uint8 rows), see gguf_state_dict's keep) into
     model (built on the meta device, llama.py's LlamaForCausalLM) as QuantLinear / QuantEmbedding modules, and
     take them out of state. A stack (q/k/v, gate/up) keeps each part's rows where they are, in its own format; a
-    stack with a part that is not quantized is dequantized instead (its parts stay in state as float tensors)."""
+    stack with a part that is not quantized is dequantized instead (its parts stay in state as float tensors).
+    store: a PackedStore (packed_store.py) of the GGUF: the modules then pack from it when first used (under the
+    state's names), else now."""
     require_kernels()
+
+    def linear(keys: list[str], in_features: int, out_features: int, bias: torch.Tensor | None):
+        parts = [state[k] for k in keys]
+        if store is None:
+            return QuantLinear(parts, in_features, out_features, bias, dtype)
+        packed = [stored_packing(store, k, fmt, rows, in_features) for k, (fmt, rows) in zip(keys, parts)]
+        return QuantLinear(parts, in_features, out_features, bias, dtype, packed, tuple(k + ":packed" for k in keys))
 
     def dequantize_in_place(names):
         for name in names:
@@ -290,22 +345,25 @@ def attach_quantized(model: nn.Module, state: dict, dtype: torch.dtype) -> None:
                 bias_keys = [prefix + name + ".bias" for name in names]
                 if all(k in state for k in bias_keys):
                     bias = torch.cat([state.pop(k) for k in bias_keys])
-            setattr(getattr(layer, parent), attr,
-                    QuantLinear([state.pop(k) for k in keys], old.in_features, old.out_features, bias, dtype))
+            setattr(getattr(layer, parent), attr, linear(keys, old.in_features, old.out_features, bias))
+            for k in keys:
+                del state[k]
         for single in ("self_attn.o_proj", "mlp.down_proj"):
             key = prefix + single + ".weight"
             if isinstance(state.get(key), tuple):
                 parent, attr = single.split(".")
                 old = getattr(getattr(layer, parent), attr)
-                setattr(getattr(layer, parent), attr,
-                        QuantLinear(state.pop(key), old.in_features, old.out_features, None, dtype))
+                setattr(getattr(layer, parent), attr, linear([key], old.in_features, old.out_features, None))
+                del state[key]
     config = model.config
     embed = state.get("model.embed_tokens.weight")
     if isinstance(embed, tuple):
-        fmt, rows = state.pop("model.embed_tokens.weight")
+        fmt, rows = embed
         model.model.embed_tokens = QuantEmbedding(rows, fmt, config.vocab_size, config.hidden_size, dtype)
         if config.tie_word_embeddings:
-            model.lm_head = QuantLinear((fmt, rows), config.hidden_size, config.vocab_size, None, dtype)
+            model.lm_head = linear(["model.embed_tokens.weight"], config.hidden_size, config.vocab_size, None)
+        del state["model.embed_tokens.weight"]
     if isinstance(state.get("lm_head.weight"), tuple):
-        model.lm_head = QuantLinear(state.pop("lm_head.weight"), config.hidden_size, config.vocab_size, None, dtype)
+        model.lm_head = linear(["lm_head.weight"], config.hidden_size, config.vocab_size, None)
+        del state["lm_head.weight"]
     dequantize_in_place(k.removesuffix(".weight") for k, v in list(state.items()) if isinstance(v, tuple))

@@ -218,7 +218,7 @@ def test_greedy_speculation_is_plain_decoding(written, name, monkeypatch):
     plain decoding's tokens exactly, for three prompts in one batch. Measured: changing the cache commit (one
     rejected draft kept, or a tree's accepted path not moved into place) breaks the comparison on every file. (The
     draft is kept exactly as shipped here, not lightened to Q4_0 as drafts are, so that it is the target itself.)"""
-    monkeypatch.setattr(quant, "lighten", lambda model: model)
+    monkeypatch.setattr(quant, "lighten", lambda model, *args: model)
     qtype, mixed = SPECULATION_FILES[name]
     target = written(qtype, mixed, tied=False, small_biases=True)
     plain = LLM(model=target, max_num_seqs=3)

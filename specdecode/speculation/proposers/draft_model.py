@@ -372,6 +372,9 @@ def _token_probs(logits: torch.Tensor, q: torch.Tensor | None, tokens: torch.Ten
     return probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
+LIGHT_FORMAT = "q4_0"
+"""What a GGUF draft's matrices held in more bits per weight are requantized to (quant.py's lighten)."""
+
 DRAFT_VOCAB = 32768
 """A quantized draft whose vocabulary is over twice this drafts only this many tokens: the most frequent in the
 target's own outputs (the shipped ranking for its vocabulary, catalog/token_ranks.py), else the lowest ids (byte-level
@@ -438,8 +441,9 @@ def frequent_tokens(tokenizer, vocab_size: int, n: int) -> list[int]:
 def _build(config, context) -> DraftModelProposer:
     from pathlib import Path
 
-    from specdecode.model.gguf import find_gguf
+    from specdecode.model.gguf import find_gguf, release_pages
     from specdecode.model.loading import load_model, read_config
+    from specdecode.model.packed_store import keep_packed, store_for
     from specdecode.model.quant import lighten, speculator_format
     from specdecode.model.tokenizer import Tokenizer
     from specdecode.speculation.compat import check_compatible
@@ -453,13 +457,16 @@ def _build(config, context) -> DraftModelProposer:
     quantization = speculator_format(context.target)
     if quantization is not None and find_gguf(draft_dir) is not None:
         quantization = "gguf"
-    draft = load_model(draft_dir, dtype=context.dtype, device=context.device, quantization=quantization)
+    draft = load_model(draft_dir, dtype=context.dtype, device=context.device, quantization=quantization, keep=False)
     vocab = (frequent_tokens(context.tokenizer, draft_cfg.vocab_size, DRAFT_VOCAB)
              if quantization is not None and draft_cfg.vocab_size > 2 * DRAFT_VOCAB else None)
     proposer = DraftModelProposer(DraftModelConfig(str(draft_dir), config.num_speculative_tokens, config.num_drafts,
                                                    vocab), draft)
     if quantization == "gguf":  # a GGUF draft's heavier matrices (Q5_0, Q8_0, Q6_K, ...) in Q4_0: a cheaper step
-        lighten(draft)
+        store = store_for(find_gguf(draft_dir))
+        lighten(draft, LIGHT_FORMAT, store)
+        keep_packed(draft, store)  # (its restricted head is made and packed at every start: 32k rows)
+        release_pages(find_gguf(draft_dir))
     return proposer
 
 
