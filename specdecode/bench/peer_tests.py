@@ -173,10 +173,10 @@ def free_port() -> int:
 
 # -- running and classifying ----------------------------------------------------------------------------------------
 
-def run_suite(suite: Path, python: Path, out: Path, files: list[str], model: str, select: str | None = None,
+def run_suite(suite: Path, python: Path, out: Path, targets: list[str], model: str, select: str | None = None,
               threads: int = 1, test_timeout: int = 120) -> Path:
-    """Run the suite's fast tier (-m "not slow", as its tests.sh does without SLOW_TESTS) of `files`; returns the
-    junit xml."""
+    """Run the suite's fast tier (-m "not slow", as its tests.sh does without SLOW_TESTS) of `targets` (unit file
+    names, or test ids: unit/test_x.py::name); returns the junit xml."""
     out.mkdir(parents=True, exist_ok=True)
     junit = out / "junit.xml"
     launcher = write_launcher(suite)
@@ -184,7 +184,8 @@ def run_suite(suite: Path, python: Path, out: Path, files: list[str], model: str
            "PEER_TESTS_MODEL": model, "PEER_TESTS_THREADS": str(threads), "PEER_TEST_TIMEOUT": str(test_timeout),
            "SLOW_TESTS": "0"}
     command = [str(python), "-m", "pytest", "-p", "specdecode_peer_plugin", "-m", "not slow", "-rA", "-q",
-               "-o", "junit_family=xunit1", f"--junitxml={junit}", *(f"unit/{name}.py" for name in files)]
+               "-o", "junit_family=xunit1", f"--junitxml={junit}",
+               *(t if "::" in t else f"unit/{t}.py" for t in targets)]
     if select:
         command += ["-k", select]
     with open(out / "pytest.log", "w") as log:

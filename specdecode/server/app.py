@@ -32,10 +32,11 @@ from specdecode.engine.llm import fim_params
 from specdecode.errors import ConfigError
 from specdecode.model.fim import fim_ids, fim_tokens, infill_ids, require_fim
 from specdecode.sampling import SamplingParams, choice_seed
+from specdecode.server.cors import Cors, CorsPolicy
 from specdecode.server.guard import LOCAL_HOSTS, Guard
 from specdecode.speculation.grammar import Grammar
 from specdecode.server.limits import ServerLimits
-from specdecode.server import dashboard, llama_native, llama_routes, schema, tools
+from specdecode.server import dashboard, llama_metrics, llama_native, llama_routes, schema, tools
 from specdecode.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, InfillRequest,
                                         LlamaCompletionRequest, bad_request, parse)
 
@@ -63,13 +64,16 @@ class Prepared:
 
 
 def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, limits: ServerLimits | None = None,
-              allowed_hosts: list[str] | None = None, strict_model_name: bool = False) -> FastAPI:
+              allowed_hosts: list[str] | None = None, strict_model_name: bool = False,
+              cors_origins: str | None = None) -> FastAPI:
     """allowed_hosts: names the Host header may carry (default: localhost, 127.0.0.1 and ::1; "*" = any).
     strict_model_name: a request naming another model gets 404 (vLLM's answer); else it is served by the one model
-    (llama-server's)."""
+    (llama-server's). cors_origins: the web pages that may call it (server/cors.py; None: none)."""
     limits = limits or ServerLimits()
+    cors = CorsPolicy(cors_origins)
     app = FastAPI(title="specdecode", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
-    app.add_middleware(Guard, limits=limits, allowed_hosts=list(allowed_hosts or LOCAL_HOSTS), api_key=api_key)
+    app.add_middleware(Guard, limits=limits, allowed_hosts=list(allowed_hosts or LOCAL_HOSTS), api_key=api_key,
+                       cors=cors)
     llm = engine.llm
     vocab = llm.target.config.vocab_size
     max_prompt = limits.prompt_tokens(llm.max_model_len)
@@ -78,6 +82,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
     schema.install(app, schema.accepted_fields(model_name, vocab, llm.max_model_len, limits,
                                                tools=tool_calling.format is not None, fim=fim is not None))
     created = int(time.time())
+    fingerprint = f"b{schema._version()}-specdecode"  # llama-server's is b<build>-<commit>; clients check the "b"
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -104,12 +109,17 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
             return JSONResponse({"status": "unavailable", "reason": problem}, status_code=503)
         return {"status": "ok"}
 
+    started = int(time.time())
+
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
-        return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        """Ours (specdecode:*, vLLM's names), then llama-server's (llamacpp:*) from the same counters."""
+        body = engine.metrics.render() + llama_metrics.render(engine.metrics.samples())
+        return Response(body, media_type=CONTENT_TYPE_LATEST, headers={"Process-Start-Time-Unix": str(started)})
 
     dashboard.install(app, engine, model_name)
     llama_routes.install(app, llm, model_name, f"specdecode {schema._version()}")
+    app.add_middleware(Cors, policy=cors)  # outermost: a preflight is answered before the key is asked for
 
     @app.get("/v1/models")
     async def models():
@@ -178,8 +188,10 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
         if not ids:
             raise bad_request("the prompt is empty", "prompt")
         if len(ids) > max_prompt:
-            raise bad_request(f"the prompt has {len(ids)} tokens but this server accepts at most {max_prompt} "
-                              f"(the model's context is {llm.max_model_len}); shorten the prompt", "prompt")
+            raise APIError(400, f"the request exceeds the available context size: the prompt has {len(ids)} tokens "
+                                f"but this server accepts at most {max_prompt} (the model's context is "
+                                f"{llm.max_model_len}); shorten the prompt", type="exceed_context_size_error",
+                           param="prompt", n_prompt_tokens=len(ids), n_ctx=llm.max_model_len)
         return ids
 
     def prepare_completion(body: bytes) -> Prepared:
@@ -213,10 +225,11 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
         except ConfigError as exc:
             raise bad_request(str(exc), "suffix" if what == "suffix" else "input_prefix") from None
 
-    def prepare_native(body: bytes, infill: bool) -> Prepared:
-        """A llama.cpp /completion or /infill body (params None: n_predict 0, nothing to generate). An /infill prompt
-        is trimmed to leave room for n_predict tokens (INFILL_MIDDLE_SHARE of the context without one): the other
-        files go first, then the prefix, then the suffix (model/fim.py infill_ids), as llama.cpp's server fits it."""
+    def prepare_native(body: bytes, infill: bool) -> list[Prepared]:
+        """A llama.cpp /completion or /infill body: one Prepared per prompt (params None: n_predict 0, nothing to
+        generate). An /infill prompt is trimmed to leave room for n_predict tokens (INFILL_MIDDLE_SHARE of the context
+        without one): the other files go first, then the prefix, then the suffix (model/fim.py infill_ids), as
+        llama.cpp's server fits it."""
         req = parse(InfillRequest if infill else LlamaCompletionRequest, body)
         limits.check_request(req, vocab)
         asked = req.tokens_asked()
@@ -229,17 +242,43 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
                                   "input_extra")
             files = [(f.filename, f.text) for f in req.input_extra]
             middle = int(INFILL_MIDDLE_SHARE * llm.max_model_len) if asked is None else asked
-            ids = tokenize(infill_ids(llm.tokenizer, fim, req.input_prefix, req.input_suffix, req.prompt, files,
-                                      max_tokens=min(max_prompt, llm.max_model_len - middle)))
+            prompts = [tokenize(infill_ids(llm.tokenizer, fim, req.input_prefix, req.input_suffix, req.prompt, files,
+                                           max_tokens=min(max_prompt, llm.max_model_len - middle)))]
         else:
-            ids = tokenize(req.prompt)
+            prompts = [tokenize(mixed_ids(p)) for p in req.prompts()]
+            if len(prompts) > 1 and req.stream:
+                raise bad_request("several prompts cannot be streamed; send one request per prompt", "prompt")
         if asked == 0:
-            return Prepared(req, ids, None)
-        params = native_params(req, len(ids), asked)
-        # Both routes stop at the FIM end tokens too, as llama.cpp's end-of-generation set holds them.
-        return Prepared(req, ids, fim_params(params, fim) if fim is not None else params)
+            return [Prepared(req, ids, None) for ids in prompts]
+        source, structured = req.structured()
+        ready = []
+        for ids in prompts:
+            params = native_params(req, len(ids), asked, structured)
+            # Both routes stop at the FIM end tokens too, as llama.cpp's end-of-generation set holds them.
+            params = fim_params(params, fim) if fim is not None else params
+            ready.append(Prepared(req, ids, params, grammar=compiled(params, source)))
+        return ready
 
-    def native_params(req: LlamaCompletionRequest, prompt_len: int, asked: int | None) -> SamplingParams:
+    def mixed_ids(prompt: str | list) -> str | list[int]:
+        """A llama.cpp prompt: text, or token ids and texts mixed (each text tokenized, the first one with the
+        tokenizer's BOS)."""
+        if isinstance(prompt, str) or all(isinstance(v, int) for v in prompt):
+            return prompt
+        ids: list[int] = []
+        for i, piece in enumerate(prompt):
+            ids += llm.tokenizer.encode(piece, add_special_tokens=i == 0) if isinstance(piece, str) else [piece]
+        return ids
+
+    def compiled(params: SamplingParams, source: str | None) -> Grammar | None:
+        if params.structured is None:
+            return None
+        try:
+            return Grammar(params.structured, llm.tokenizer, vocab)
+        except ConfigError as exc:
+            raise bad_request(f"{source}: {exc}", source) from None
+
+    def native_params(req: LlamaCompletionRequest, prompt_len: int, asked: int | None,
+                      structured: dict | None) -> SamplingParams:
         room = llm.max_model_len - prompt_len
         if asked is not None and asked > room:
             raise bad_request(f"this model's context is {llm.max_model_len} tokens; the prompt has {prompt_len} "
@@ -249,7 +288,8 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
                                   top_p=req.top_p, min_p=req.min_p, presence_penalty=req.presence_penalty,
                                   frequency_penalty=req.frequency_penalty, stop=req.stop,
                                   seed=None if req.seed in (None, -1) else req.seed, ignore_eos=req.ignore_eos,
-                                  use_speculation=req.use_speculation, logprobs=req.probs())
+                                  use_speculation=req.use_speculation, logprobs=req.probs(),
+                                  logit_bias=req.token_bias(llm.tokenizer, vocab), structured=structured)
         except ConfigError as exc:
             field = str(exc).split(" ", 1)[0]
             raise bad_request(str(exc), field) from None
@@ -257,22 +297,46 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
     def prepare_chat(body: bytes) -> Prepared:
         req = parse(ChatCompletionRequest, body)
         check(req)
-        limits.check_messages(req.messages)
-        plan = tool_calling.plan(req)
-        messages = [m.for_template() for m in req.messages]
-        offered = {"tools": plan.tools} if plan is not None else {}
-        try:
-            text = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **offered)
-        except jinja2.TemplateError as exc:  # the template refused these messages (raise_exception) or was unsafe
-            raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from None
-        except Exception:
-            log.exception("the chat template failed")
-            raise bad_request("the chat template could not render these messages", "messages") from None
+        text, plan = render_chat(req)
         # A template that writes the BOS token itself must not get a second one from the tokenizer.
         bos = llm.tokenizer.bos_token
         ids = tokenize(text, add_special_tokens=not (bos and text.startswith(bos)))
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         return prepared(req, ids, max_tokens, req.logprob_count(), plan=plan)
+
+    def render_chat(req: ChatCompletionRequest) -> tuple[str, tools.ToolPlan | None]:
+        """The prompt of a chat request (its chat template's rendering, with tools when offered); with
+        continue_final_message it ends inside the last (assistant) message, as transformers cuts it."""
+        limits.check_messages(req.messages)
+        plan = tool_calling.plan(req)
+        messages = [m.for_template() for m in req.messages]
+        offered = {"tools": plan.tools} if plan is not None else {}
+        opening = req.add_generation_prompt is not False and not req.continue_final_message
+        try:
+            text = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=opening, **offered)
+        except jinja2.TemplateError as exc:  # the template refused these messages (raise_exception) or was unsafe
+            raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from None
+        except Exception:
+            log.exception("the chat template failed")
+            raise bad_request("the chat template could not render these messages", "messages") from None
+        if req.continue_final_message:
+            final = req.messages[-1].text()
+            end = text.rfind(final) if final else -1
+            if end < 0:
+                raise bad_request("the chat template does not write the last message as it is, so it cannot be "
+                                  "continued", "continue_final_message")
+            text = text[:end + len(final)]
+        return text, plan
+
+    def apply_template(body: bytes) -> dict:
+        req = parse(ChatCompletionRequest, body)
+        check(req)
+        return {"prompt": render_chat(req)[0]}
+
+    @app.post("/apply-template", **schema.generation_route(ChatCompletionRequest, schema.AppliedTemplate))
+    async def apply_template_route(request: Request):
+        """llama-server's: the prompt a chat request would be answered from (its template's rendering)."""
+        return await run_in_threadpool(apply_template, await request.body())
 
     # -- routes ---------------------------------------------------------------------------------------------
 
@@ -312,20 +376,25 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
 
         def chunk(choices: list[dict]) -> dict:
             return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model_name,
-                    "choices": choices}
+                    "system_fingerprint": fingerprint, "choices": choices}
 
         if req.stream:
             async def events() -> AsyncIterator[str]:
                 if echo:
                     yield _sse(chunk([choice(i, echo, None, []) for i in range(len(streams))]))
-                async for body in _stream_chunks(
-                        streams, lambda i, d: chunk([choice(i, d.text, d.finish_reason, d.logprobs)]),
-                        _include_usage(req), request_id, model_name, "text_completion"):
+                def delta_chunks(i: int, d) -> list[dict]:
+                    if d.finish_reason is None or not d.text:
+                        return [chunk([choice(i, d.text, d.finish_reason, d.logprobs)])]
+                    # llama-server's last chunk only says why it ended (clients drop its text)
+                    return [chunk([choice(i, d.text, None, d.logprobs)]), chunk([choice(i, "", d.finish_reason, [])])]
+                async for body in _stream_chunks(streams, delta_chunks, _include_usage(req), request_id, model_name,
+                                                 "text_completion", fingerprint):
                     yield body
             return _sse_response(events())
         results = await _collect_all(streams, request)
         body = chunk([choice(i, echo + text, finish, logprobs) for i, (text, finish, _, logprobs) in enumerate(results)])
         body["usage"] = _total_usage(results)
+        body["timings"] = _timings(streams[0])
         return body
 
     @app.post("/v1/chat/completions", **schema.generation_route(ChatCompletionRequest, schema.ChatCompletion))
@@ -338,7 +407,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
 
         def chunk(index: int, delta: dict, finish_reason: str | None, logprobs: list | None = None) -> dict:
             return {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()),
-                    "model": model_name,
+                    "model": model_name, "system_fingerprint": fingerprint,
                     "choices": [{"index": index, "delta": delta, "finish_reason": finish_reason,
                                  "logprobs": chat_logprobs(logprobs) if req.logprobs else None}]}
 
@@ -348,23 +417,28 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
             parsers = [tools.ToolCallParser(call_format) for _ in streams] if call_format else None
             calls_made = [0] * len(streams)
 
-            def delta_chunk(i: int, d) -> dict | None:
+            def delta_chunk(i: int, d) -> list[dict]:
                 if parsers is None:
-                    return chunk(i, {"content": d.text} if d.text else {}, d.finish_reason, d.logprobs)
-                content, calls = parsers[i].feed(d.text, final=d.finish_reason is not None)
-                delta = {"content": content} if content else {}
-                if calls:
-                    delta["tool_calls"] = [call.openai(index=calls_made[i] + k) for k, call in enumerate(calls)]
-                    calls_made[i] += len(calls)
-                if not delta and d.finish_reason is None and not d.logprobs:
-                    return None  # everything in this delta is held back
-                return chunk(i, delta, tools.finish_reason(d.finish_reason, calls_made[i]), d.logprobs)
+                    delta, finish = ({"content": d.text} if d.text else {}), d.finish_reason
+                else:
+                    content, calls = parsers[i].feed(d.text, final=d.finish_reason is not None)
+                    delta = {"content": content} if content else {}
+                    if calls:
+                        delta["tool_calls"] = [call.openai(index=calls_made[i] + k) for k, call in enumerate(calls)]
+                        calls_made[i] += len(calls)
+                    if not delta and d.finish_reason is None and not d.logprobs:
+                        return []  # everything in this delta is held back
+                    finish = tools.finish_reason(d.finish_reason, calls_made[i])
+                if finish is None or not delta:
+                    return [chunk(i, delta, finish, d.logprobs)]
+                # llama-server's last chunk only says why it ended: the text before it
+                return [chunk(i, delta, None, d.logprobs), chunk(i, {}, finish, [])]
 
             async def events() -> AsyncIterator[str]:
                 for i in range(len(streams)):
-                    yield _sse(chunk(i, {"role": "assistant", "content": ""}, None, []))
+                    yield _sse(chunk(i, {"role": "assistant", "content": None}, None, []))
                 async for body in _stream_chunks(streams, delta_chunk, _include_usage(req), request_id, model_name,
-                                                 "chat.completion.chunk"):
+                                                 "chat.completion.chunk", fingerprint):
                     yield body
             return _sse_response(events())
 
@@ -384,7 +458,8 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
             choices.append({"index": i, "message": answer, "finish_reason": finish,
                             "logprobs": chat_logprobs(logprobs) if req.logprobs else None})
         return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model_name,
-                "choices": choices, "usage": _total_usage(results)}
+                "system_fingerprint": fingerprint, "choices": choices, "usage": _total_usage(results),
+                "timings": _timings(streams[0])}
 
     @app.post("/completion", **schema.generation_route(LlamaCompletionRequest, schema.LlamaCompletion))
     async def llama_completion(request: Request):
@@ -397,14 +472,16 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
         return await native(request, infill=True)
 
     async def native(request: Request, infill: bool):
-        prepared = await run_in_threadpool(prepare_native, await request.body(), infill)
+        ready = await run_in_threadpool(prepare_native, await request.body(), infill)
+        if len(ready) == 1:
+            return await native_one(request, ready[0])
+        answers = await asyncio.gather(*(native_one(request, prepared) for prepared in ready))
+        return answers  # llama-server answers several prompts with a list, in their order
+
+    async def native_one(request: Request, prepared: Prepared):
         req, ids, params = prepared.req, prepared.ids, prepared.params
         prompt_text = llm.tokenizer.decode(ids, skip_special_tokens=False)
-        settings = {"n_predict": 0 if params is None else params.max_tokens,
-                    "temperature": req.temperature, "top_k": req.top_k, "top_p": req.top_p, "min_p": req.min_p,
-                    "stop": [req.stop] if isinstance(req.stop, str) else (req.stop or []),
-                    "seed": -1 if req.seed is None else req.seed, "n_probs": req.probs() or 0,
-                    "speculative": llm.spec_config.method if llm.proposer is not None else None}
+        settings = llama_native.generation_settings(req, params, llm, model_name)
         if params is None:  # n_predict 0: nothing to generate (llama.vscode sends it to warm the cache)
             timing = llama_native.timings(len(ids), 0, 0, 0)
             body = llama_native.select(req.response_fields, llama_native.final(
@@ -416,42 +493,50 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
         editor = llama_native.EditorLimits(req.n_indent or 0, req.t_max_predict_ms or 0)
 
         def finished(text: str, finish: str | None, probs: list | None) -> dict:
-            seq, now = stream.seq, time.perf_counter()
-            first = stream.first_token_time or now
+            seq = stream.seq
             stop_type, word = "limit", ""
             if finish == "stop":
                 full = llm.tokenizer.decode(seq.output_ids)
                 word = next((w for w in params.stop if full[len(seq.text):].startswith(w)), "")
                 stop_type = "word" if word else "eos"
-            timing = llama_native.timings(len(ids), first - stream.arrival, seq.num_generated, now - first,
-                                          seq.stats.draft_tokens, seq.stats.accepted_tokens)
+            tokens = list(seq.output_ids) if req.return_tokens and not req.stream else []
             return llama_native.select(req.response_fields, llama_native.final(
-                model_name, text, prompt_text, len(ids), seq.num_generated, stop_type, word, settings, timing, probs))
+                model_name, text, prompt_text, len(ids), seq.num_generated, stop_type, word, settings,
+                _timings(stream), probs, tokens))
 
-        async def pieces() -> AsyncIterator[tuple[str, list, str | None]]:
-            """(text, logprobs, finish reason) of each delta, the text ending where an editor's limit (n_indent,
-            t_max_predict_ms) cuts it: then the request is aborted and its finish reason is "length" (llama.cpp's
-            "limit")."""
+        async def pieces() -> AsyncIterator[tuple[str, list, list, str | None]]:
+            """(text, token ids, logprobs, finish reason) of each delta, the text ending where an editor's limit
+            (n_indent, t_max_predict_ms) cuts it: then the request is aborted and its finish reason is "length"
+            (llama.cpp's "limit")."""
             text = ""
             async for delta in stream:
                 cut = editor.cut(text + delta.text, time.perf_counter() - (stream.first_token_time or 0), delta.text)
                 if cut is not None:
                     stream.abort()
-                    yield (text + delta.text)[len(text):cut], delta.logprobs or [], "length"
+                    yield (text + delta.text)[len(text):cut], delta.token_ids, delta.logprobs or [], "length"
                     return
                 text += delta.text
-                yield delta.text, delta.logprobs or [], delta.finish_reason
+                yield delta.text, delta.token_ids, delta.logprobs or [], delta.finish_reason
 
         def probabilities(logprobs: list) -> list | None:
             return llama_native.probabilities(logprobs, llm.tokenizer) if logprobs else None
 
         if req.stream:
+            per_token = llama_native.PerToken(llm.tokenizer) if params.logprobs is not None else None
+
             async def events() -> AsyncIterator[str]:
+                generated = 0
                 try:
-                    async for text, logprobs, finish in pieces():
-                        if text or logprobs:
-                            yield _sse(llama_native.select(req.response_fields, llama_native.partial(
-                                text, stream.seq.num_generated, len(ids), probabilities(logprobs))))
+                    async for text, tokens, logprobs, finish in pieces():
+                        # with per-token data (n_probs) one event per token, as llama-server sends; else one per
+                        # delta (a step's accepted draft comes whole)
+                        split = per_token.split(text, tokens) if per_token is not None else [(text, tokens)]
+                        for k, (piece, piece_tokens) in enumerate(split):
+                            generated += len(piece_tokens)
+                            if piece or piece_tokens:
+                                probs = probabilities(logprobs[k:k + 1] if per_token is not None else logprobs)
+                                yield _sse(llama_native.select(req.response_fields, llama_native.partial(
+                                    piece, piece_tokens, generated, len(ids), probs)))
                         if finish is not None:
                             yield _sse(finished("", finish, None))
                 except (RequestFailed, EngineDead) as exc:
@@ -462,7 +547,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
 
         async def collect() -> tuple[str, str | None, list]:
             parts, all_logprobs, finish = [], [], None
-            async for text, logprobs, finish in pieces():
+            async for text, _, logprobs, finish in pieces():
                 parts.append(text)
                 all_logprobs += logprobs
             return "".join(parts), finish, all_logprobs
@@ -500,9 +585,19 @@ def _include_usage(req) -> bool:
     return req.stream_options is not None and req.stream_options.include_usage
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage; cached_tokens: prompt tokens the prefix cache held (their keys and values were not computed)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def _timings(stream: RequestStream) -> dict:
+    """llama-server's timings of one request (its first choice's, for several)."""
+    seq, now = stream.seq, time.perf_counter()
+    first = stream.first_token_time or now
+    last = stream.last_token_time or first
+    return llama_native.timings(seq.num_prompt, first - stream.arrival, seq.num_generated, max(0.0, last - first),
+                                seq.stats.draft_tokens, seq.stats.accepted_tokens, cached=seq.reused)
 
 
 def _sse(body: dict) -> str:
@@ -520,10 +615,10 @@ def _sse_response(events: AsyncIterator[str]) -> StreamingResponse:
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-async def _stream_chunks(streams: list[RequestStream], make_chunk, include_usage: bool, request_id: str,
-                         model_name: str, obj: str) -> AsyncIterator[str]:
-    """SSE events for one request's choices, as each choice's deltas come (make_chunk(index, delta); None: nothing
-    to send for this one). If the client goes away, Starlette cancels this generator and `finally` aborts every
+async def _stream_chunks(streams: list[RequestStream], make_chunks, include_usage: bool, request_id: str,
+                         model_name: str, obj: str, fingerprint: str) -> AsyncIterator[str]:
+    """SSE events for one request's choices, as each choice's deltas come (make_chunks(index, delta): the events of
+    it, maybe none). If the client goes away, Starlette cancels this generator and `finally` aborts every
     choice, which frees their slots. Engine errors carry no internal detail (see RequestFailed)."""
     last: dict[int, object] = {}
     queue: asyncio.Queue = asyncio.Queue()
@@ -550,8 +645,7 @@ async def _stream_chunks(streams: list[RequestStream], make_chunk, include_usage
             else:
                 last[index] = delta
                 if delta.text or delta.finish_reason is not None or delta.logprobs:
-                    body = make_chunk(index, delta)
-                    if body is not None:
+                    for body in make_chunks(index, delta):
                         yield _sse(body)
     finally:
         for task in tasks:
@@ -562,7 +656,8 @@ async def _stream_chunks(streams: list[RequestStream], make_chunk, include_usage
         prompt = next(iter(last.values())).prompt_tokens
         completion = sum(d.completion_tokens for d in last.values())
         yield _sse({"id": request_id, "object": obj, "created": int(time.time()), "model": model_name,
-                    "choices": [], "usage": _usage(prompt, completion)})
+                    "system_fingerprint": fingerprint, "choices": [],
+                    "usage": _usage(prompt, completion, streams[0].seq.reused), "timings": _timings(streams[0])})
     yield "data: [DONE]\n\n"
 
 
@@ -578,7 +673,8 @@ async def _collect_all(streams: list[RequestStream], request: Request) -> list[t
 def _total_usage(results: list[tuple]) -> dict:
     """Usage of all choices: the prompt once, every choice's tokens."""
     usages = [usage for _, _, usage, _ in results]
-    return _usage(usages[0]["prompt_tokens"], sum(u["completion_tokens"] for u in usages))
+    return _usage(usages[0]["prompt_tokens"], sum(u["completion_tokens"] for u in usages),
+                  usages[0]["prompt_tokens_details"]["cached_tokens"])
 
 
 async def _abort_on_disconnect(request: Request, stream: RequestStream) -> None:
@@ -612,4 +708,5 @@ async def _collect(stream: RequestStream, request: Request) -> tuple[str, str | 
             parts.append(delta.text)
             logprobs.extend(delta.logprobs or [])
             last = delta
-    return "".join(parts), last.finish_reason, _usage(last.prompt_tokens, last.completion_tokens), logprobs
+    return ("".join(parts), last.finish_reason, _usage(last.prompt_tokens, last.completion_tokens, stream.seq.reused),
+            logprobs)

@@ -1,8 +1,10 @@
 """ASGI middleware in front of every route: the Host header must be one the server answers to (against DNS
 rebinding), every route but the few in OPEN_PATHS needs the API key if one is set (in `Authorization: Bearer KEY` or
-llama-server's `X-Api-Key: KEY`), and a POST must be JSON (a web page cannot send that
-cross-origin without a CORS preflight, which this server never grants), no larger than the body limit and sent
-within the body timeout. The body is read here, once, and handed to the route.
+llama-server's `X-Api-Key: KEY`), and a POST body is no larger than the body limit and sent within the body
+timeout. A body is read as JSON whatever its Content-Type says (a bare `curl -d` works, as with llama-server), except
+from a web page of an origin the CORS policy does not allow: a page can send text/plain or a form to any site without
+a preflight, but not application/json, so such a request must be JSON (and a JSON one needs the preflight, which is
+refused). The body is read here, once, and handed to the route.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import hmac
 
 from starlette.responses import JSONResponse
 
+from specdecode.server.cors import CorsPolicy
 from specdecode.server.limits import ServerLimits, too_large
 from specdecode.server.protocol import APIError
 
@@ -31,9 +34,11 @@ def host_name(value: str) -> str:
 
 
 class Guard:
-    def __init__(self, app, limits: ServerLimits, allowed_hosts: list[str], api_key: str | None = None):
-        """allowed_hosts: host names the Host header may carry ("*" allows any)."""
+    def __init__(self, app, limits: ServerLimits, allowed_hosts: list[str], api_key: str | None = None,
+                 cors: CorsPolicy | None = None):
+        """allowed_hosts: host names the Host header may carry ("*" allows any); cors: the page origins allowed."""
         self.app = app
+        self.cors = cors or CorsPolicy(None)
         self.limits = limits
         self.any_host = "*" in allowed_hosts
         self.allowed_hosts = {host_name(h) for h in allowed_hosts}
@@ -76,9 +81,11 @@ class Guard:
 
     async def _read_body(self, headers: dict, receive) -> bytes | None:
         media_type = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
-        if media_type != b"application/json":
-            raise APIError(415, "send the request body as JSON with 'Content-Type: application/json'",
-                           code="unsupported_media_type")
+        origin = headers.get(b"origin", b"").decode("latin-1")
+        if media_type != b"application/json" and origin and not self.cors.allowed(origin):
+            raise APIError(415, f"a request from the web page {origin!r} must send its body as JSON with "
+                                "'Content-Type: application/json' (the server's --cors-origins does not allow that "
+                                "origin)", code="unsupported_media_type")
         limit = self.limits.max_body_bytes
         declared = headers.get(b"content-length", b"")
         if declared.isdigit() and int(declared) > limit:

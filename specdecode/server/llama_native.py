@@ -39,16 +39,20 @@ class EditorLimits:
 
 
 def timings(prompt_n: int, prompt_s: float, predicted_n: int, predicted_s: float, drafted: int = 0,
-            accepted: int = 0) -> dict:
-    """llama.cpp's timings object (its server_slot_stats), draft counters included when anything was drafted."""
+            accepted: int = 0, cached: int = 0) -> dict:
+    """llama.cpp's timings object (its server_slot_stats), draft counters included when anything was drafted.
+    prompt_n: the prompt's tokens, of which `cached` came from the prefix cache (cache_n; prompt_n counts the rest,
+    as llama.cpp's). predicted_s runs from the first token to the last: the first comes from the prompt's pass, so the
+    rates are over the predicted_n - 1 tokens after it (0 for one token)."""
     prompt_ms, predicted_ms = prompt_s * 1000, predicted_s * 1000
-    body = {"cache_n": 0,
-            "prompt_n": prompt_n, "prompt_ms": prompt_ms,
-            "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
-            "prompt_per_second": prompt_n / prompt_s if prompt_s > 0 else 0.0,
+    computed, steps = prompt_n - cached, max(0, predicted_n - 1)
+    body = {"cache_n": cached,
+            "prompt_n": computed, "prompt_ms": prompt_ms,
+            "prompt_per_token_ms": prompt_ms / computed if computed else 0.0,
+            "prompt_per_second": computed / prompt_s if prompt_s > 0 else 0.0,
             "predicted_n": predicted_n, "predicted_ms": predicted_ms,
-            "predicted_per_token_ms": predicted_ms / predicted_n if predicted_n else 0.0,
-            "predicted_per_second": predicted_n / predicted_s if predicted_s > 0 else 0.0}
+            "predicted_per_token_ms": predicted_ms / steps if steps and predicted_s > 0 else 0.0,
+            "predicted_per_second": steps / predicted_s if steps and predicted_s > 0 else 0.0}
     if drafted:
         body["draft_n"] = drafted
         body["draft_n_accepted"] = accepted
@@ -64,19 +68,69 @@ def probabilities(logprobs: list, tokenizer) -> list[dict]:
     return [{**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in logprobs]
 
 
-def partial(text: str, predicted: int, prompt_n: int, probs: list[dict] | None = None) -> dict:
-    """One streamed piece of the answer."""
-    body = {"index": 0, "content": text, "tokens": [], "stop": False, "id_slot": -1, "tokens_predicted": predicted,
-            "tokens_evaluated": prompt_n}
+class PerToken:
+    """Splits a delta of several tokens (a step's accepted draft) into one piece per token, as llama-server streams
+    when a request asks for per-token data: each token's text is where decoding the answer up to it ends, so the
+    pieces do not depend on how the tokens were grouped into steps (speculation on or off)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.sent = ""
+        """Text of the pieces so far (the deltas' text, which is what the answer is)."""
+
+    def split(self, text: str, tokens: list[int]) -> list[tuple[str, list[int]]]:
+        received = self.sent + text
+        pieces = []
+        for k, token in enumerate(tokens):
+            self.ids.append(token)
+            upto = self.tokenizer.decode(self.ids).rstrip("\ufffd")  # a partial character waits for the rest
+            end = len(received) if k == len(tokens) - 1 else max(len(self.sent), min(len(upto), len(received)))
+            pieces.append((received[len(self.sent):end], [token]))
+            self.sent = received[:end]
+        if not tokens and text:
+            pieces.append((text, []))
+            self.sent = received
+        return pieces
+
+
+def generation_settings(req, params, llm, model_name: str) -> dict:
+    """The settings a request ran with, in llama-server's generation_settings names (those without a counterpart
+    here at llama.cpp's defaults, which a request cannot change: protocol.LLAMA_UNSUPPORTED)."""
+    from specdecode.server.protocol import LLAMA_SAMPLERS, LLAMA_UNSUPPORTED
+
+    stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    bias = params.logit_bias if params is not None and params.logit_bias else {}
+    fixed = {k: v for k, v in LLAMA_UNSUPPORTED.items() if k not in ("multimodal_data", "dry_sequence_breakers")}
+    return {
+        "n_predict": 0 if params is None else params.max_tokens, "max_tokens": 0 if params is None else
+        params.max_tokens, "seed": -1 if req.seed is None else req.seed, "temperature": req.temperature,
+        "top_k": req.top_k, "top_p": req.top_p, "min_p": req.min_p, "presence_penalty": req.presence_penalty,
+        "frequency_penalty": req.frequency_penalty, "stop": stop, "ignore_eos": req.ignore_eos, "stream": req.stream,
+        "n_probs": req.probs() or 0, "logit_bias": [[token, value] for token, value in bias.items()],
+        "grammar": req.grammar or "", "samplers": list(req.samplers) if isinstance(req.samplers, list) else
+        [name for name in LLAMA_SAMPLERS if name not in ("typ_p",)], **fixed,
+        "dry_sequence_breakers": LLAMA_UNSUPPORTED["dry_sequence_breakers"], "model": model_name,
+        "speculative": llm.spec_config.method if llm.proposer is not None else None,
+        "use_speculation": req.use_speculation,
+        # llama.cpp's adaptive-p sampler, off at these values
+        "adaptive_target": -1.0, "adaptive_decay": 0.9,
+    }
+
+
+def partial(text: str, tokens: list[int], predicted: int, prompt_n: int, probs: list[dict] | None = None) -> dict:
+    """One streamed piece of the answer, with its token ids."""
+    body = {"index": 0, "content": text, "tokens": tokens, "stop": False, "id_slot": -1,
+            "tokens_predicted": predicted, "tokens_evaluated": prompt_n}
     if probs:
         body["completion_probabilities"] = probs
     return body
 
 
 def final(model: str, text: str, prompt: str, prompt_n: int, predicted: int, stop_type: str, stopping_word: str,
-          settings: dict, timing: dict, probs: list[dict] | None = None) -> dict:
-    """The whole answer (streaming: its last event, with text "")."""
-    body = {"index": 0, "content": text, "tokens": [], "id_slot": -1, "stop": True, "model": model,
+          settings: dict, timing: dict, probs: list[dict] | None = None, tokens: list[int] | None = None) -> dict:
+    """The whole answer (streaming: its last event, with text ""); tokens: the generated ids (return_tokens)."""
+    body = {"index": 0, "content": text, "tokens": tokens or [], "id_slot": -1, "stop": True, "model": model,
             "tokens_predicted": predicted, "tokens_evaluated": prompt_n, "generation_settings": settings,
             "prompt": prompt, "has_new_line": "\n" in text, "truncated": False, "stop_type": stop_type,
             "stopping_word": stopping_word, "tokens_cached": prompt_n + max(0, predicted - 1), "timings": timing}

@@ -9,8 +9,8 @@ from starlette.concurrency import run_in_threadpool
 from specdecode.server.protocol import APIError, bad_request, parse
 from specdecode.server.schema import ErrorResponse
 
-ALIASES = {"/completions": "/v1/completions", "/chat/completions": "/v1/chat/completions", "/models": "/v1/models"}
-"""llama-server's path -> the route that answers it."""
+ALIASES = {"/completions": "/completion", "/chat/completions": "/v1/chat/completions", "/models": "/v1/models"}
+"""llama-server's path -> the route that answers it (its /completions is its own /completion, not /v1's)."""
 
 
 class Aliases:

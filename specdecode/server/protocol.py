@@ -14,6 +14,17 @@ from specdecode.errors import ConfigError
 from specdecode.sampling import MAX_LOGPROBS, check_structured
 
 
+def gbnf_grammar(text: str, field: str) -> dict:
+    """SamplingParams.structured of llama.cpp's GBNF grammar (llguidance's converter to its Lark form; text already
+    in that form passes), or a 400 naming the field."""
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    try:
+        return {"grammar": any_to_lark(text)}
+    except Exception as exc:  # the converter raises its own errors and Python's for broken input
+        raise bad_request(f"{field} is not a valid GBNF grammar: {exc}", field) from None
+
+
 def _integral(value):
     """JSON has one number type: 5.0 is the integer 5 (as JSON Schema's "integer" says); 5.5 stays an error."""
     if isinstance(value, float) and value.is_integer() and abs(value) <= 2 ** 64:
@@ -29,16 +40,19 @@ class APIError(Exception):
     """An error answered in OpenAI's format: {"error": {"message", "type", "param", "code"}}."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, **extra):
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type
         self.param = param
         self.code = code
+        self.extra = extra
+        """More fields of the error object (llama-server's n_prompt_tokens and n_ctx)."""
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code,
+                          **self.extra}}
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:
@@ -103,8 +117,11 @@ class _Request(BaseModel):
         rf = self.response_format
         if rf is not None and rf != {"type": "text"}:
             kind = rf.get("type") if isinstance(rf, dict) else None
-            if kind == "json_object":
-                found.append(("response_format", {"json_object": True}))
+            if kind == "json_object":  # llama-server's form carries a schema
+                schema = rf.get("schema")
+                if schema is not None and not isinstance(schema, dict):
+                    raise bad_request("response_format.schema must be a JSON schema object", "response_format")
+                found.append(("response_format", {"json_schema": schema} if schema else {"json_object": True}))
             elif kind == "json_schema" and isinstance(rf.get("json_schema"), dict):
                 schema = rf["json_schema"].get("schema")
                 found.append(("response_format", {"json_schema": schema} if isinstance(schema, dict) and schema
@@ -124,6 +141,11 @@ class _Request(BaseModel):
                     except json.JSONDecodeError:
                         raise bad_request(f"{name} must be a JSON schema", name) from None
                 found.append((name, {kind: value}))
+        grammar, schema = getattr(self, "grammar", None), getattr(self, "json_schema", None)  # llama-server's fields
+        if grammar:
+            found.append(("grammar", gbnf_grammar(grammar, "grammar")))
+        if schema is not None:
+            found.append(("json_schema", {"json_schema": schema} if schema else {"json_object": True}))
         if self.structured_outputs is not None:
             so = self.structured_outputs
             keys = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
@@ -206,13 +228,44 @@ class ExtraFile(BaseModel):
     """llama.cpp's default name."""
 
 
+LLAMA_UNSUPPORTED = {
+    "mirostat": 0, "mirostat_tau": 5.0, "mirostat_eta": 0.1, "typical_p": 1.0, "xtc_probability": 0.0,
+    "xtc_threshold": 0.1, "dry_multiplier": 0.0, "dry_base": 1.75, "dry_allowed_length": 2, "dry_penalty_last_n": -1,
+    "top_n_sigma": -1.0, "dynatemp_range": 0.0, "dynatemp_exponent": 1.0, "repeat_penalty": 1.0, "repeat_last_n": 64,
+    "penalty_last_n": 64, "min_keep": 0, "n_keep": 0, "n_discard": 0, "post_sampling_probs": False,
+    "return_progress": False, "timings_per_token": False, "id_slot": -1, "lora": [], "grammar_lazy": False,
+    "grammar_triggers": [], "preserved_tokens": [], "n_cmpl": 1, "t_max_prompt_ms": -1, "backend_sampling": False,
+    "dry_sequence_breakers": ["\n", ":", "\"", "*"], "n_cache_reuse": 0, "multimodal_data": None,
+}
+"""llama.cpp's /completion fields specdecode does not implement, with llama.cpp's defaults: a body may send one at
+its default (clients send whole settings objects), anything else is a 400 naming it. cache_prompt is accepted
+(whether a prompt's beginning comes from the cache never changes an answer here) and samplers too when it holds the
+ones implemented, in llama.cpp's default order."""
+LLAMA_SAMPLERS = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "typical_p", "top_p", "min_p", "xtc",
+                  "temperature")
+
+
+def _llama_prompt(value):
+    """{"prompt_string": ...} (llama.cpp's multimodal prompt object, without media) -> its text."""
+    if isinstance(value, dict):
+        if value.get("multimodal_data"):
+            raise ValueError("multimodal_data is not supported (this server has no vision or audio model)")
+        if not isinstance(value.get("prompt_string"), str):
+            raise ValueError("a prompt object must hold prompt_string")
+        return value["prompt_string"]
+    if isinstance(value, list) and value and not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return [_llama_prompt(v) if isinstance(v, dict) else v for v in value]
+    return value
+
+
 class LlamaCompletionRequest(BaseModel):
     """llama.cpp's server's own /completion body (what its clients send, Continue's llama.cpp provider among them):
-    the fields specdecode honours, with llama.cpp's defaults. Its other sampler settings (samplers, mirostat,
-    dry_*, xtc_*, typical_p, ...), cache_prompt, t_max_prompt_ms, id_slot and lora are accepted and ignored."""
+    the fields specdecode honours, with llama.cpp's defaults; LLAMA_UNSUPPORTED's only at their defaults. Fields
+    llama.cpp does not define are ignored, as llama.cpp ignores them."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
-    prompt: str | list[Int] = ""
+    model_config = ConfigDict(strict=True, extra="allow")
+    prompt: Annotated[str | list[Int | str | list[Int | str]], BeforeValidator(_llama_prompt)] = ""
+    """Text, token ids, ids and text mixed (one prompt), or a list of such prompts (one answer each)."""
     n_predict: Int | None = None
     """Most tokens to generate; -1 or absent: until an end token or the context is full; 0: none (a client warming
     the cache)."""
@@ -240,6 +293,102 @@ class LlamaCompletionRequest(BaseModel):
     """A line after the first indented less than this ends the answer (llama.cpp's; llama.vscode sends it)."""
     t_max_predict_ms: Int | None = None
     """After this many ms of generating, the next newline ends the answer (llama.cpp's; llama.vscode sends it)."""
+    return_tokens: bool = False
+    """The generated token ids in the answer's tokens (streamed events always carry theirs)."""
+    logit_bias: list[list[Any]] | dict[str, Any] | None = None
+    """[[token id or text, bias or false], ...] or {"token id or text": bias}: text biases each of its tokens; false
+    bans the token (bias -100)."""
+    grammar: str | None = None
+    """A GBNF grammar the answer follows (the same constrained decoding as /v1's)."""
+    json_schema: dict[str, Any] | None = None
+    """A JSON schema the answer follows."""
+    response_format: Any = None
+    """OpenAI's form of the same: {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": ...}}."""
+    cache_prompt: bool = True
+    samplers: list[str] | str | None = None
+
+    def structured(self) -> tuple[str | None, dict | None]:
+        """(field, SamplingParams.structured) from grammar, json_schema or response_format: at most one of them."""
+        found = []
+        if self.grammar:
+            found.append(("grammar", gbnf_grammar(self.grammar, "grammar")))
+        if self.json_schema is not None:
+            found.append(("json_schema", {"json_schema": self.json_schema} if self.json_schema
+                          else {"json_object": True}))
+        if self.response_format is not None and self.response_format != {"type": "text"}:
+            rf = self.response_format
+            kind = rf.get("type") if isinstance(rf, dict) else None
+            schema = rf.get("schema") if kind == "json_object" else \
+                (rf.get("json_schema") or {}).get("schema") if kind == "json_schema" else None
+            if kind not in ("json_object", "json_schema"):
+                raise bad_request("response_format must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                                  "{\"type\": \"json_schema\", \"json_schema\": {\"schema\": {...}}}",
+                                  "response_format")
+            found.append(("response_format", {"json_schema": schema} if schema else {"json_object": True}))
+        if len(found) > 1:
+            raise bad_request(f"give one of {', '.join(n for n, _ in found)}, not several", found[1][0])
+        if not found:
+            return None, None
+        name, spec = found[0]
+        try:
+            check_structured(spec)
+        except ConfigError as exc:
+            raise bad_request(str(exc), name) from None
+        return name, spec
+
+    def token_bias(self, tokenizer, vocab: int) -> dict[int, float] | None:
+        """logit_bias as {token id: bias}: a text's every token; false -> -100 (never picked)."""
+        if not self.logit_bias:
+            return None
+        pairs = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        bias = {}
+        for pair in pairs:
+            if len(pair) != 2:
+                raise bad_request("logit_bias entries must be [token id or text, bias or false]", "logit_bias")
+            key, value = pair
+            if value is False:
+                value = -100.0
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+                raise bad_request(f"logit_bias values must be numbers in [-100, 100] or false, got {value!r}",
+                                  "logit_bias")
+            if isinstance(key, str) and key.isascii() and key.isdigit():
+                key = int(key)
+            if isinstance(key, int) and not isinstance(key, bool):
+                if not 0 <= key < vocab:
+                    raise bad_request(f"logit_bias token ids must be in [0, {vocab}), got {key}", "logit_bias")
+                ids = [key]
+            elif isinstance(key, str):
+                ids = tokenizer.encode(key, add_special_tokens=False)
+            else:
+                raise bad_request(f"logit_bias keys must be token ids or text, got {key!r}", "logit_bias")
+            for token in ids:
+                bias[token] = float(value)
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise bad_request(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens", "logit_bias")
+        return bias or None
+
+    def prompts(self) -> list[str | list[int | str]]:
+        """The prompts of this body: one, or each of a list of prompts (a list holding a list, or only texts)."""
+        p = self.prompt
+        if isinstance(p, list) and p and (any(isinstance(v, list) for v in p) or all(isinstance(v, str) for v in p)):
+            return [v for v in p]
+        return [p]
+
+    def check_unsupported(self) -> None:
+        for name, value in (self.model_extra or {}).items():
+            if name in LLAMA_UNSUPPORTED and value != LLAMA_UNSUPPORTED[name] and not (
+                    isinstance(value, (int, float)) and not isinstance(value, bool)
+                    and isinstance(LLAMA_UNSUPPORTED[name], (int, float)) and float(value) == LLAMA_UNSUPPORTED[name]):
+                raise bad_request(f"{name} is not supported by this server; leave it out or at llama.cpp's default "
+                                  f"{json.dumps(LLAMA_UNSUPPORTED[name])}", name)
+        samplers = self.samplers
+        if samplers is not None:
+            names = samplers if isinstance(samplers, list) else []
+            if not isinstance(samplers, list) or any(n not in LLAMA_SAMPLERS for n in names) or \
+                    names != sorted(names, key=LLAMA_SAMPLERS.index):
+                raise bad_request("samplers must list llama.cpp's samplers in its default order (penalties, dry, "
+                                  "top_n_sigma, top_k, typ_p, top_p, min_p, xtc, temperature); others are not "
+                                  "supported", "samplers")
 
     def tokens_asked(self) -> int | None:
         """n_predict (else max_tokens); None for "until the end" (-1 or absent)."""
@@ -258,6 +407,8 @@ class LlamaCompletionRequest(BaseModel):
     def check_supported(self) -> None:
         self.tokens_asked()
         self.probs()
+        self.check_unsupported()
+        self.structured()
 
 
 class InfillRequest(LlamaCompletionRequest):
@@ -365,9 +516,27 @@ class ChatCompletionRequest(_Request):
     """OpenAI's (default true): whether the model may call several functions in one answer."""
     functions: Any = None
     function_call: Any = None
+    grammar: str | None = None
+    """llama-server's: a GBNF grammar the answer follows."""
+    json_schema: dict[str, Any] | None = None
+    """llama-server's: a JSON schema the answer follows."""
+    add_generation_prompt: bool | None = None
+    """Open an assistant turn after the messages (default true)."""
+    continue_final_message: bool = False
+    """Continue the last message, an assistant's, instead of opening a new turn (vLLM's and transformers' name)."""
 
     def check_supported(self) -> None:
         super().check_supported()
+        if self.continue_final_message:
+            if self.add_generation_prompt:
+                raise bad_request("add_generation_prompt and continue_final_message cannot both be true",
+                                  "continue_final_message")
+            if self.messages[-1].role != "assistant":
+                raise bad_request("continue_final_message needs the last message to be the assistant's",
+                                  "continue_final_message")
+        if len(self.messages) >= 2 and self.messages[-1].role == self.messages[-2].role == "assistant":
+            raise bad_request("the conversation ends with two assistant messages; merge them (or send "
+                              "continue_final_message with one)", "messages")
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")

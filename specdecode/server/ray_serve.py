@@ -43,6 +43,8 @@ class ReplicaSettings:
     """Host header values accepted (None = local names only; '*' = any, usual behind a cluster's proxy)."""
     strict_model_name: bool = False
     """A request naming another model gets 404 (else the served model answers it)."""
+    cors_origins: str | None = None
+    """The web pages that may call it (server/cors.py)."""
 
 
 @dataclasses.dataclass
@@ -87,7 +89,8 @@ class SpecdecodeReplica:
         self.llm = LLM(**settings.llm_kwargs)
         self.engine = AsyncEngine(self.llm, max_waiting=settings.max_waiting, stall_timeout=settings.stall_timeout)
         self.openai_app = build_app(self.engine, settings.model_name, api_key=settings.api_key, limits=settings.limits,
-                             allowed_hosts=settings.allowed_hosts, strict_model_name=settings.strict_model_name)
+                             allowed_hosts=settings.allowed_hosts, strict_model_name=settings.strict_model_name,
+                             cors_origins=settings.cors_origins)
         self.replica_name = f"{serve.get_replica_context().replica_id.unique_id}/{os.getpid()}"
         self.engine.start()
 

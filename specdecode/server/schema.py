@@ -134,6 +134,13 @@ class LlamaCompletion(BaseModel):
     timings: LlamaTimings | None = None
 
 
+class AppliedTemplate(BaseModel):
+    """An /apply-template answer."""
+
+    prompt: str
+    """The chat template's rendering of the messages."""
+
+
 ERRORS = {
     400: "the body is not a valid request (the message names the field), or asks for something unsupported",
     401: "the API key is missing or wrong",

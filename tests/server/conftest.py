@@ -20,11 +20,11 @@ from specdecode.server.transport import uvicorn_options
 @contextlib.contextmanager
 def running_server(llm: LLM, model_name: str = "tiny", api_key: str | None = None, max_waiting: int = 64,
                    limits: ServerLimits | None = None, allowed_hosts: list[str] | None = None,
-                   strict_model_name: bool = False):
+                   strict_model_name: bool = False, cors_origins: str | None = None):
     engine = AsyncEngine(llm, max_waiting=max_waiting)
     limits = limits or ServerLimits()
     app = build_app(engine, model_name, api_key=api_key, limits=limits, allowed_hosts=allowed_hosts,
-                    strict_model_name=strict_model_name)
+                    strict_model_name=strict_model_name, cors_origins=cors_origins)
     engine.start()
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))

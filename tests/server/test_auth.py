@@ -17,6 +17,7 @@ BODIES = {
     "/v1/chat/completions": {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2},
     "/completion": {"prompt": "x", "n_predict": 2},
     "/infill": {"input_prefix": "def f(", "input_suffix": "):", "n_predict": 2},
+    "/apply-template": {"messages": [{"role": "user", "content": "x"}]},
 }
 """A request each generation route would answer, so that a right key is seen to let it through."""
 
