@@ -17,11 +17,13 @@ from tqdm import tqdm
 
 from specdecode.engine.budget import DraftBudget
 from specdecode.engine.parts import fit_tree_width, load_target, make_controller, plan_batch
+from specdecode.speculation.calibrate import calibration_name
 from specdecode.engine.scheduler import Scheduler
 from specdecode.engine.sequence import RequestOutput, Sequence, SpecStats
 from specdecode.engine.step import StepRunner
 from specdecode.errors import ConfigError
 from specdecode.hardware import return_free_memory
+from specdecode.model.gguf import find_gguf
 from specdecode.model.cache import BLOCK_SIZE, KV_DTYPES
 from specdecode.model.fim import FimTokens, fim_ids, require_fim
 from specdecode.model.loading import read_config, resolve_device, resolve_quantization
@@ -175,8 +177,16 @@ class LLM:
         return seq
 
     def make_controller(self) -> SpecController:
-        """An adaptive speculation controller for this engine (times the machine: seconds)."""
-        return make_controller(self.target, self.proposer, self.spec_config, self.max_num_seqs)
+        """An adaptive speculation controller for this engine (times the machine: seconds, the first time these
+        models run here; later starts read the times kept in the cache)."""
+        stored_as = None
+        if self.quantization == "gguf":  # (files that identify the models; float weights may change in place)
+            files = [find_gguf(path) for path in (self.model_dir, self.spec_config.model) if path is not None]
+            config = self.spec_config
+            stored_as = calibration_name(config.method, config.max_depth, config.nodes_per_level, config.pass_widths,
+                                         self.max_num_seqs, str(self.runner.kv_dtype or self.target.kv_dtype),
+                                         [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files if f])
+        return make_controller(self.target, self.proposer, self.spec_config, self.max_num_seqs, stored_as)
 
     @property
     def tree_size(self) -> int:

@@ -67,10 +67,12 @@ def fit_tree_width(target, proposer, config: SpeculativeConfig) -> SpeculativeCo
     return dataclasses.replace(config, num_tree_nodes=nodes * config.num_speculative_tokens)
 
 
-def make_controller(target, proposer, config: SpeculativeConfig, max_num_seqs: int) -> SpecController:
-    """An adaptive speculation controller, after timing this machine's target passes and draft forwards."""
+def make_controller(target, proposer, config: SpeculativeConfig, max_num_seqs: int,
+                    stored_as: str | None = None) -> SpecController:
+    """An adaptive speculation controller, after timing this machine's target passes and draft forwards (or reading
+    the times kept under `stored_as`, calibrate.py's measure_costs)."""
     costs = measure_costs(target, proposer.draft_network, max_num_seqs, config.max_depth, config.nodes_per_level,
-                          widths=config.pass_widths)
+                          widths=config.pass_widths, stored_as=stored_as)
     controller = SpecController(costs, config.max_depth, config.nodes_per_level, widths=config.pass_widths)
     if hasattr(proposer, "bind_costs"):  # a proposer that shapes its trees by the measured pass costs (auto)
         proposer.bind_costs(costs)

@@ -2,6 +2,9 @@
 the speculation controller's cost model starts from."""
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import time
 
 import torch
@@ -103,29 +106,82 @@ def _smooth(target: dict[int, dict[int, float]]) -> dict[int, dict[int, float]]:
 
 def measure_costs(target, draft, max_batch: int, max_k: int, nodes_per_level: int = 1, context: int = 128,
                   repeats: int = 3, widths: list[int] | None = None,
-                  budget_seconds: float = CALIBRATION_SECONDS) -> CostModel:
+                  budget_seconds: float = CALIBRATION_SECONDS, stored_as: str | None = None) -> CostModel:
     """Time target passes over the batch sizes and draft lengths the engine can use, and draft forwards (if the
     proposer has a draft model), on this machine, at start-up. widths: pass width per row for each draft length
     0..max_k (default 1 + nodes_per_level * k). Bounded in time whatever the sizes: a subset of draft lengths is
     timed (the others interpolated), no pass of more than MAX_CALIBRATED_TOKENS, and nothing new is started after
-    budget_seconds."""
-    deadline = time.perf_counter() + budget_seconds
+    budget_seconds. stored_as: a name for these models on this machine (calibration_name): the times are kept in
+    the cache under it and read back by the next start instead of timed again (the cost model rescales them to the
+    machine's speed of the moment as it runs, so what is kept is their shape)."""
     batches = sorted({1, max_batch} | {2 ** i for i in range(max_batch.bit_length()) if 2 ** i < max_batch})
     widths = list(widths) if widths else [1 + nodes_per_level * k for k in range(max_k + 1)]
     shapes = sorted({(b, widths[k]) for b in batches for k in _calibrated_levels(len(widths) - 1)},
                     key=lambda shape: (shape[0] * shape[1], shape))
     shapes = [shape for shape in shapes if shape[0] * shape[1] <= MAX_CALIBRATED_TOKENS or shape == shapes[0]]
-    cache = target.make_cache(max(b for b, _ in shapes), context + max(w for _, w in shapes) + 1)
-    times = _best_times(target, cache, shapes, context, repeats, deadline)
-    del cache
-    target_points = _smooth({k: {b: _estimate(times, b, w) for b in batches} for k, w in enumerate(widths)})
-    draft_points = None
-    if draft is not None:
-        draft_batches = [b for b in batches if b <= MAX_CALIBRATED_TOKENS]
-        times = _best_times(draft, draft.make_cache(draft_batches[-1], context + 2), [(b, 1) for b in draft_batches],
-                            context, repeats, max(deadline, time.perf_counter() + 0.25 * budget_seconds))
-        draft_points = {b: _estimate(times, b, 1) for b in batches}
+    draft_batches = [b for b in batches if b <= MAX_CALIBRATED_TOKENS] if draft is not None else []
+    stored = _read_times(stored_as, shapes, draft_batches)
+    if stored is not None:
+        target_times, draft_times = stored
+    else:
+        deadline = time.perf_counter() + budget_seconds
+        cache = target.make_cache(max(b for b, _ in shapes), context + max(w for _, w in shapes) + 1)
+        target_times = _best_times(target, cache, shapes, context, repeats, deadline)
+        del cache
+        draft_times = {}
+        if draft is not None:
+            draft_times = _best_times(draft, draft.make_cache(draft_batches[-1], context + 2),
+                                      [(b, 1) for b in draft_batches], context, repeats,
+                                      max(deadline, time.perf_counter() + 0.25 * budget_seconds))
+        _write_times(stored_as, target_times, draft_times)
+    target_points = _smooth({k: {b: _estimate(target_times, b, w) for b in batches} for k, w in enumerate(widths)})
+    draft_points = {b: _estimate(draft_times, b, 1) for b in batches} if draft is not None else None
     return CostModel(target_points, draft_points, max_batch)
+
+
+def calibration_name(*parts) -> str:
+    """A name for a calibration: a digest of what its times depend on (the models' files as they are now, the
+    kernels' build - this CPU's instruction sets among it -, the threads), given as `parts` by the caller."""
+    from specdecode.kernels import build_key
+
+    digest = hashlib.sha256(repr((parts, build_key(), torch.get_num_threads())).encode())
+    return digest.hexdigest()[:24]
+
+
+def _times_path(name: str):
+    from specdecode.catalog.registry import cache_dir
+
+    return cache_dir() / "calibration" / f"{name}.json"
+
+
+def _read_times(name: str | None, shapes: list[tuple[int, int]], draft_batches: list[int]):
+    """(target times, draft times) kept under `name` when they cover the shapes asked for, else None."""
+    if name is None:
+        return None
+    try:
+        kept = json.loads(_times_path(name).read_text())
+        target = {(int(b), int(w)): float(t) for b, w, t in kept["target"]}
+        draft = {(int(b), 1): float(t) for b, t in kept["draft"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if shapes[0] not in target or any((b, 1) not in draft for b in draft_batches[:1]):
+        return None
+    return target, draft
+
+
+def _write_times(name: str | None, target: dict, draft: dict) -> None:
+    if name is None:
+        return
+    path = _times_path(name)
+    kept = {"target": [[b, w, t] for (b, w), t in sorted(target.items())],
+            "draft": [[b, t] for (b, _), t in sorted(draft.items())]}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.partial")
+        partial.write_text(json.dumps(kept))
+        os.replace(partial, path)
+    except OSError:
+        pass  # (timed again at the next start)
 
 
 def pass_times(model, widths: list[int], context: int = 128, repeats: int = 2,

@@ -109,3 +109,21 @@ def test_a_drafts_requantized_rows_are_stored_too(written, store_here, monkeypat
     model = lightened()
     assert calls == [] and "q8_0" not in {m.fmt for m in model.modules() if isinstance(m, QuantLinear)}
     assert torch.equal(cached_logits(model, IDS), expected)
+
+
+def test_a_draft_with_the_same_gguf_tokenizer_skips_the_token_comparison(written, tiny_models, tmp_path):
+    """same_gguf_tokenizer: two GGUFs whose tokenizer fields are all equal (a target and its draft) need no
+    token-by-token comparison; one changed token, or a checkpoint that is not a GGUF, takes the full check."""
+    from specdecode.model.gguf import same_gguf_tokenizer
+
+    a, b = written("Q8_0"), written("Q4_0")
+    assert same_gguf_tokenizer(a, b)
+    assert not same_gguf_tokenizer(a, tiny_models["target"]) and not same_gguf_tokenizer(a, None)
+    data = bytearray(b.read_bytes())
+    token = b"def"  # a token of the tiny vocabulary, renamed in place (same length: the file stays valid)
+    at = data.find(token, 0, 1 << 20)
+    assert at > 0
+    data[at:at + 3] = b"deg"
+    changed = tmp_path / "changed.gguf"
+    changed.write_bytes(bytes(data))
+    assert not same_gguf_tokenizer(a, changed)

@@ -238,6 +238,33 @@ def test_measure_costs_on_a_real_model(tiny_models):
     assert costs.draft.xs == [1, 2, 3] and all(t > 0 for t in costs.draft.ys)
 
 
+def test_kept_times_are_read_back_instead_of_timed(tiny_models, tmp_path, monkeypatch):
+    """A calibration kept under a name is what the next start uses, without timing a pass; another name (other
+    models, kernels, threads or shapes) is timed and kept beside it."""
+    from specdecode.model.loading import load_model
+    from specdecode.speculation import calibrate
+
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
+    target = load_model(tiny_models["target"], dtype="float32", device="cpu")
+    first = measure_costs(target, target, max_batch=3, max_k=2, context=16, repeats=1, stored_as="pair-a")
+
+    def refuse(*args):
+        raise AssertionError("timed again")
+
+    timing = calibrate._timed_pass
+    monkeypatch.setattr(calibrate, "_timed_pass", refuse)
+    again = measure_costs(target, target, max_batch=3, max_k=2, context=16, repeats=1, stored_as="pair-a")
+    assert [c.ys for c in again.target] == [c.ys for c in first.target] and again.draft.ys == first.draft.ys
+    with pytest.raises(AssertionError, match="timed again"):
+        measure_costs(target, target, max_batch=3, max_k=2, context=16, repeats=1, stored_as="pair-b")
+    monkeypatch.setattr(calibrate, "_timed_pass", timing)
+    (tmp_path / "calibration" / "pair-a.json").write_text("{not json")  # damaged: timed again, kept anew
+    measure_costs(target, target, max_batch=3, max_k=2, context=16, repeats=1, stored_as="pair-a")
+    monkeypatch.setattr(calibrate, "_timed_pass", refuse)
+    measure_costs(target, target, max_batch=3, max_k=2, context=16, repeats=1, stored_as="pair-a")
+    assert calibrate.calibration_name("a", 1) != calibrate.calibration_name("a", 2)
+
+
 class CountingModel:
     """A stand-in target for start-up timing: counts its passes and their shapes; each costs rows x width."""
 

@@ -441,7 +441,7 @@ def frequent_tokens(tokenizer, vocab_size: int, n: int) -> list[int]:
 def _build(config, context) -> DraftModelProposer:
     from pathlib import Path
 
-    from specdecode.model.gguf import find_gguf, release_pages
+    from specdecode.model.gguf import find_gguf, release_pages, same_gguf_tokenizer
     from specdecode.model.loading import load_model, read_config
     from specdecode.model.packed_store import keep_packed, store_for
     from specdecode.model.quant import lighten, speculator_format
@@ -450,8 +450,9 @@ def _build(config, context) -> DraftModelProposer:
 
     draft_dir = Path(config.model)
     draft_cfg = read_config(draft_dir)  # a Hugging Face directory or a GGUF (what a catalog name resolves to)
-    check_compatible(context.tokenizer, Tokenizer(draft_dir, draft_cfg.eos_token_ids), context.target.config,
-                     draft_cfg)
+    if not same_gguf_tokenizer(context.target_dir, draft_dir):  # (else: the same token map, known in ~10 ms)
+        check_compatible(context.tokenizer, Tokenizer(draft_dir, draft_cfg.eos_token_ids), context.target.config,
+                         draft_cfg)
     # Beside a block-quantized target the draft's matrices are quantized too, on the same fused kernels: a GGUF
     # draft's as shipped, any other's to Q8_0.
     quantization = speculator_format(context.target)
