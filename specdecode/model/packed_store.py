@@ -24,6 +24,7 @@ import os
 import struct
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -114,9 +115,11 @@ DTYPES = {"U8": torch.uint8}
 
 
 def _map_file(path: Path, gguf_path: Path) -> dict[str, torch.Tensor]:
-    """The tensors of a stored file, as views of a private map of it (copy-on-write: nothing is ever written)."""
+    """The tensors of a stored file, as views of a read-only map of it whose pages are mapped now (MAP_POPULATE,
+    where there is one: the first product then finds them, and the resident size counts them from the start)."""
     with open(path, "rb") as f:
-        whole = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        whole = mmap.mmap(f.fileno(), 0, flags=flags, prot=mmap.PROT_READ)
     (size,) = struct.unpack_from("<Q", whole, 0)
     header = json.loads(whole[8:8 + size])
     metadata = header.pop("__metadata__", {})
@@ -125,7 +128,9 @@ def _map_file(path: Path, gguf_path: Path) -> dict[str, torch.Tensor]:
         raise ValueError("written by another version of specdecode")
     if metadata.get("gguf.size") != str(stat.st_size) or metadata.get("gguf.mtime_ns") != str(stat.st_mtime_ns):
         raise ValueError(f"{gguf_path.name} changed since they were packed")
-    data = torch.frombuffer(whole, dtype=torch.uint8)  # (the tensor keeps the map alive)
+    with warnings.catch_warnings():  # (torch warns that the buffer is read-only: the kernels only read it)
+        warnings.simplefilter("ignore", UserWarning)
+        data = torch.frombuffer(whole, dtype=torch.uint8)  # (the tensor keeps the map alive)
     start = 8 + size
     tensors = {}
     for name, info in header.items():
