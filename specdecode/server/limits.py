@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 
 from specdecode.errors import ConfigError
-from specdecode.server.protocol import APIError, bad_request
 
 
 @dataclasses.dataclass
@@ -49,6 +48,8 @@ class ServerLimits:
 
     def check_request(self, req, vocab_size: int) -> None:
         """Bounds on the fields every request has (stop strings, top_k)."""
+        from specdecode.server.protocol import bad_request  # (the CLI reads the limits without the server's models)
+
         stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
         if len(stop) > self.max_stop_strings:
             raise bad_request(f"at most {self.max_stop_strings} stop strings are allowed, got {len(stop)} "
@@ -62,11 +63,16 @@ class ServerLimits:
                               f"got {req.top_k}", "top_k")
 
     def check_messages(self, messages: list) -> None:
+        from specdecode.server.protocol import bad_request
+
         if len(messages) > self.max_messages:
             raise bad_request(f"at most {self.max_messages} messages are allowed in one request, got "
                               f"{len(messages)} (the server's --max-messages)", "messages")
 
 
-def too_large(limit: int) -> APIError:
+def too_large(limit: int):
+    """The 413 APIError of a body over `limit` bytes."""
+    from specdecode.server.protocol import APIError
+
     return APIError(413, f"the request body is larger than {limit} bytes (the server's --max-body-bytes)",
                     code="request_too_large")
