@@ -115,7 +115,9 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
     async def metrics():
         """Ours (specdecode:*, vLLM's names), then llama-server's (llamacpp:*) from the same counters."""
         body = engine.metrics.render() + llama_metrics.render(engine.metrics.samples())
-        return Response(body, media_type=CONTENT_TYPE_LATEST, headers={"Process-Start-Time-Unix": str(started)})
+        response = Response(body, media_type=CONTENT_TYPE_LATEST)
+        response.raw_headers.append((b"Process-Start-Time-Unix", str(started).encode()))  # llama-server's casing
+        return response
 
     dashboard.install(app, engine, model_name)
     llama_routes.install(app, llm, model_name, f"specdecode {schema._version()}")
@@ -277,6 +279,14 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
         except ConfigError as exc:
             raise bad_request(f"{source}: {exc}", source) from None
 
+    def native_bias(req: LlamaCompletionRequest) -> dict[int, float] | None:
+        """The request's logit_bias; with ignore_eos the end tokens banned too, as llama.cpp's ignore_eos does (at
+        -100, the bias range's end, where llama.cpp's is -inf)."""
+        bias = req.token_bias(llm.tokenizer, vocab)
+        if req.ignore_eos:
+            bias = {**(bias or {}), **{token: -100.0 for token in llm.tokenizer.eos_token_ids}}
+        return bias
+
     def native_params(req: LlamaCompletionRequest, prompt_len: int, asked: int | None,
                       structured: dict | None) -> SamplingParams:
         room = llm.max_model_len - prompt_len
@@ -289,7 +299,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
                                   frequency_penalty=req.frequency_penalty, stop=req.stop,
                                   seed=None if req.seed in (None, -1) else req.seed, ignore_eos=req.ignore_eos,
                                   use_speculation=req.use_speculation, logprobs=req.probs(),
-                                  logit_bias=req.token_bias(llm.tokenizer, vocab), structured=structured)
+                                  logit_bias=native_bias(req), structured=structured)
         except ConfigError as exc:
             field = str(exc).split(" ", 1)[0]
             raise bad_request(str(exc), field) from None

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from urllib.parse import urlsplit
 
-from starlette.datastructures import MutableHeaders
-
 LOCAL_ORIGIN_HOSTS = ("localhost", "127.0.0.1", "::1")
 METHODS = "GET, POST, DELETE, OPTIONS"
 """llama-server's default --cors-methods."""
@@ -59,10 +57,8 @@ class Cors:
         if scope["method"] == "OPTIONS":
             headers = [(b"content-type", b"text/html"), (b"content-length", b"0")]
             if allowed:
-                headers += [(b"access-control-allow-origin", origin.encode("latin-1")),
-                            (b"access-control-allow-credentials", b"true"),
-                            (b"access-control-allow-methods", METHODS.encode()),
-                            (b"access-control-allow-headers", b"*"), (b"vary", b"Origin")]
+                headers += [*self.allow(origin), (b"Access-Control-Allow-Methods", METHODS.encode()),
+                            (b"Access-Control-Allow-Headers", b"*")]
             await send({"type": "http.response.start", "status": 200, "headers": headers})
             await send({"type": "http.response.body", "body": b""})
             return
@@ -71,9 +67,13 @@ class Cors:
 
         async def send_with_cors(message):
             if message["type"] == "http.response.start":
-                headers = MutableHeaders(scope=message)
-                headers["Access-Control-Allow-Origin"] = origin
-                headers["Access-Control-Allow-Credentials"] = "true"
-                headers.append("Vary", "Origin")
+                message = {**message, "headers": [*message.get("headers", []), *self.allow(origin)]}
             await send(message)
         await self.app(scope, receive, send_with_cors)
+
+    @staticmethod
+    def allow(origin: str) -> list[tuple[bytes, bytes]]:
+        """The headers that let the page read the answer, cased as llama-server writes them (HTTP does not care;
+        clients that copy headers into a plain dict do)."""
+        return [(b"Access-Control-Allow-Origin", origin.encode("latin-1")),
+                (b"Access-Control-Allow-Credentials", b"true"), (b"Vary", b"Origin")]

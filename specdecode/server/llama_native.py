@@ -107,7 +107,7 @@ def generation_settings(req, params, llm, model_name: str) -> dict:
         params.max_tokens, "seed": -1 if req.seed is None else req.seed, "temperature": req.temperature,
         "top_k": req.top_k, "top_p": req.top_p, "min_p": req.min_p, "presence_penalty": req.presence_penalty,
         "frequency_penalty": req.frequency_penalty, "stop": stop, "ignore_eos": req.ignore_eos, "stream": req.stream,
-        "n_probs": req.probs() or 0, "logit_bias": [[token, value] for token, value in bias.items()],
+        "n_probs": req.probs() or 0, "logit_bias": [{"bias": value, "token": token} for token, value in bias.items()],
         "grammar": req.grammar or "", "samplers": list(req.samplers) if isinstance(req.samplers, list) else
         [name for name in LLAMA_SAMPLERS if name not in ("typ_p",)], **fixed,
         "dry_sequence_breakers": LLAMA_UNSUPPORTED["dry_sequence_breakers"], "model": model_name,

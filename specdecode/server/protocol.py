@@ -234,13 +234,14 @@ LLAMA_UNSUPPORTED = {
     "top_n_sigma": -1.0, "dynatemp_range": 0.0, "dynatemp_exponent": 1.0, "repeat_penalty": 1.0, "repeat_last_n": 64,
     "penalty_last_n": 64, "min_keep": 0, "n_keep": 0, "n_discard": 0, "post_sampling_probs": False,
     "return_progress": False, "timings_per_token": False, "id_slot": -1, "lora": [], "grammar_lazy": False,
-    "grammar_triggers": [], "preserved_tokens": [], "n_cmpl": 1, "t_max_prompt_ms": -1, "backend_sampling": False,
+    "grammar_triggers": [], "preserved_tokens": [], "n_cmpl": 1, "backend_sampling": False,
     "dry_sequence_breakers": ["\n", ":", "\"", "*"], "n_cache_reuse": 0, "multimodal_data": None,
 }
 """llama.cpp's /completion fields specdecode does not implement, with llama.cpp's defaults: a body may send one at
 its default (clients send whole settings objects), anything else is a 400 naming it. cache_prompt is accepted
-(whether a prompt's beginning comes from the cache never changes an answer here) and samplers too when it holds the
-ones implemented, in llama.cpp's default order."""
+(whether a prompt's beginning comes from the cache never changes an answer here), t_max_prompt_ms too (llama-server
+does not implement it either: llama.vscode sends it), and samplers when it holds the ones implemented, in llama.cpp's
+default order, and "infill" (llama.vscode's, accepted but not applied: docs/serving.md)."""
 LLAMA_SAMPLERS = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "typical_p", "top_p", "min_p", "xtc",
                   "temperature")
 
@@ -384,6 +385,7 @@ class LlamaCompletionRequest(BaseModel):
         samplers = self.samplers
         if samplers is not None:
             names = samplers if isinstance(samplers, list) else []
+            names = [n for n in names if n != "infill"]
             if not isinstance(samplers, list) or any(n not in LLAMA_SAMPLERS for n in names) or \
                     names != sorted(names, key=LLAMA_SAMPLERS.index):
                 raise bad_request("samplers must list llama.cpp's samplers in its default order (penalties, dry, "

@@ -20,6 +20,10 @@ class ErrorBody(BaseModel):
     type: str
     param: str | None
     code: str | None
+    n_prompt_tokens: int | None = None
+    """llama-server's, with type exceed_context_size_error: the prompt's length in tokens."""
+    n_ctx: int | None = None
+    """llama-server's, with type exceed_context_size_error: the context, in tokens."""
 
 
 class ErrorResponse(BaseModel):

@@ -20,11 +20,12 @@ DOCS = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 
 
 def exposition(url: str) -> dict[str, float]:
-    """/metrics as 'name{label="value"}' -> value, without histogram buckets and creation times."""
+    """/metrics' specdecode series as 'name{label="value"}' -> value, without histogram buckets and creation times
+    (not llama-server's llamacpp:* copies, which the dashboard does not read)."""
     values = {}
     for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
         for s in family.samples:
-            if s.name.endswith(("_bucket", "_created")):
+            if s.name.endswith(("_bucket", "_created")) or not s.name.startswith("specdecode:"):
                 continue
             labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
             values[s.name + (f"{{{labels}}}" if labels else "")] = s.value
