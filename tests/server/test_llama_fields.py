@@ -310,3 +310,46 @@ def test_llamacpp_metrics_follow_the_answers(server):
     assert grew("prompt_tokens_total") == sum(a["timings"]["prompt_n"] for a in answers)
     assert grew("prompt_tokens_cached_total") == sum(a["timings"]["cache_n"] for a in answers)
     assert after["llamacpp:requests_processing"] == 0 and grew("n_decode_total") > 0
+
+
+# -- byte for byte on a real model --------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def smollm2_server(smollm2):
+    """SmolLM2 through the quantized kernels, which compute every row the same whatever the pass's width: a verified
+    draft gives the very numbers plain decoding does, so the answers must match byte for byte, probabilities too."""
+    from specdecode.engine.llm import LLM
+
+    llm = LLM("smollm2-135m-instruct", max_num_seqs=2, max_model_len=256,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "adaptive": False})
+    with running_server(llm, model_name="smollm2") as s:
+        yield s
+
+
+def raw_events(server, body: dict) -> list[bytes]:
+    """The SSE events as sent, but for each one's timings (the one field that measures time)."""
+    with httpx.stream("POST", server.url + "/completion", json={**body, "stream": True}, timeout=WAIT) as response:
+        assert response.status_code == 200
+        lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+    out = []
+    for line in lines:
+        event = json.loads(line[6:])
+        event.pop("timings", None)
+        event.get("generation_settings", {}).pop("use_speculation", None)
+        out.append(json.dumps(event).encode())
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sampling", SAMPLING, ids=["greedy", "seeded"])
+def test_smollm2_same_bytes_with_and_without_speculation(smollm2_server, sampling):
+    prompt = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n" \
+             "def fibonacci(n):\n"  # repeats itself, so that prompt lookup drafts and is accepted
+    body = {"prompt": prompt, "n_predict": 32, "n_probs": 2, "return_tokens": True, **sampling}
+    counts = SpecCounts(smollm2_server)
+    on = raw_events(smollm2_server, {**body, "use_speculation": True})
+    counts.assert_speculated()
+    off = raw_events(smollm2_server, {**body, "use_speculation": False})
+    assert on == off and len(on) > 2
+    whole = [post(smollm2_server, "/completion", {**body, "use_speculation": flag}).json() for flag in (True, False)]
+    assert without(whole[0]) == without(whole[1])  # exactly: logprobs too
