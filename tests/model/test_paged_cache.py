@@ -1,10 +1,12 @@
 """The paged KV cache: a position's keys and values are the same numbers whatever block they sit in, so a forward's
 logits are bitwise those of the slots layout (fused quantized kernels and the float path alike), blocks shared by
 content are copied before anyone writes into them, and the pool's counts always match the tables."""
+import os
+
 import pytest
 import torch
 
-from specdecode.model.blocks import CacheFull
+from specdecode.model.blocks import BLOCK_SIZE, BlockPool, CacheFull
 from specdecode.model.cache import KVCache
 from specdecode.model.quant import quantize_linears
 
@@ -253,3 +255,42 @@ def test_rolling_back_into_an_indexed_block_drops_its_place_in_the_chain():
     assert cache.match(new + [1], 12) == cache.tables[0, :3].tolist()
     assert cache.match(old + [1], 12) == [first_block]  # the old second block's content is gone
     assert cache.leak() is None
+
+
+def _resident() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads the resident size from /proc")
+def test_a_pools_memory_is_taken_as_blocks_are_written():
+    """A pool planned for many positions holds memory only for the blocks written (their pages), not for the whole
+    pool at allocation: 256 MiB of keys and values cost next to nothing until written, then what was written."""
+    layers, heads, dim = 4, 2, 64
+    blocks = 256 * 2**20 // (2 * layers * heads * dim * BLOCK_SIZE * 2)  # 256 MiB of float16 keys and values
+    before = _resident()
+    cache = KVCache(layers, 4, heads, blocks * BLOCK_SIZE, dim, dtype=torch.float16, block_size=BLOCK_SIZE,
+                    num_blocks=blocks)
+    allocated = _resident() - before
+    assert allocated < 32 * 2**20, allocated
+    assert all(not k.any() for k in cache.k) and all(not v.any() for v in cache.v)  # zeros (read: no pages taken)
+    for k, v in zip(cache.k, cache.v):
+        k[: blocks // 2] = 1
+        v[: blocks // 2] = 1
+    written = _resident() - before
+    assert written > 100 * 2**20, written
+
+
+def test_freed_blocks_are_handed_out_again_first():
+    """The pool hands out its lowest blocks and takes freed ones back first, so the blocks ever written (the
+    pool's resident memory) stay as few as the most held at once, however many sequences come and go."""
+    pool = BlockPool(64)
+    touched = set()
+    for round_ in range(50):
+        held = [pool.allocate() for _ in range(3 + round_ % 5)]
+        touched.update(held)
+        for block in held:
+            pool.decref(block)
+    assert touched == set(range(7))
