@@ -28,7 +28,9 @@ def register(sub) -> None:
                                    "target's distribution at every emitted token with a plain float32 forward, and "
                                    "test the tokens against it (PIT uniformity, mean p(token) and ranks; see "
                                    "docs/certify.md). The engine runs in float32 unless --dtype names another type.")
-    add_model_args(p, dtype="float32", adaptive=False, model="smollm2-135m-instruct")
+    add_model_args(p, dtype="float32", adaptive=False, model="smollm2-135m-instruct",
+                   why=": a float32 recomputation of every emitted token's distribution; docs/certify.md's figures "
+                       "are its")
     p.add_argument("--temperature", type=float_range(0.0, 100.0, lo_open=True), default=d.temperature,
                    help=f"(default {d.temperature:g})")
     p.add_argument("--top-p", type=PROBABILITY, default=d.top_p, help=f"(default {d.top_p:g})")

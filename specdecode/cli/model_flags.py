@@ -17,13 +17,13 @@ from specdecode.speculation import methods
 from specdecode.speculation.config import DRAFT_KINDS, with_shipped_speculator
 
 
-def add_model_args(p, dtype: str = "auto", adaptive: bool = True, model: str | None = None) -> None:
+def add_model_args(p, dtype: str = "auto", adaptive: bool = True, model: str | None = None, why: str = "") -> None:
     """--model, --dtype, --device, --threads and the speculative flags (shared by generate, chat, serve, plan and
     certify). dtype: the command's default; adaptive: whether it offers --adaptive/--no-adaptive; model: the
-    command's default model (None: DEFAULT_MODEL)."""
+    command's default model (None: DEFAULT_MODEL), and why it is not the default model."""
     p.add_argument("--model", default=model,
                    help=f"a model name ({', '.join(MODELS)}; fetched on first use), a .gguf file, or a Hugging Face "
-                        f"checkpoint directory (default: {model or DEFAULT_MODEL})")
+                        f"checkpoint directory (default: {model or DEFAULT_MODEL}{why})")
     add_device_args(p, dtype)
     p.add_argument("--threads", type=THREADS, default=None,
                    help="CPU threads for torch (default: torch's choice; 1 is faster on a busy machine)")

@@ -37,7 +37,7 @@ def register(sub) -> None:
     add_quantization_arg(p)
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send and /v1/models lists (default: the --model argument, "
-                        "or smollm2-135m-instruct for the default model)")
+                        "or the default model's catalog name, qwen2.5-coder-1.5b-instruct)")
     p.add_argument("--strict-model-name", action="store_true",
                    help="answer 404 to a request naming a model other than the served one, as vLLM does (default: "
                         "serve it with the one model, as llama-server does)")

@@ -220,7 +220,9 @@ def register(sub) -> None:
     p.add_argument("--max-tokens", type=POSITIVE, default=256, help="longest answer")
     p.add_argument("--max-prompt-tokens", type=POSITIVE, default=None,
                    help="longer prompts are skipped (default: the corpus version's, 512)")
-    p.add_argument("--model", default="smollm2-135m-instruct", help="target (default: smollm2-135m-instruct)")
+    p.add_argument("--model", default="smollm2-135m-instruct",
+                   help="target (default: smollm2-135m-instruct, the target of the shipped EAGLE and Medusa heads "
+                        "and of docs/training.md's figures)")
     p.add_argument("--split", choices=("train", "heldout"), default="train",
                    help="answer the training split's prompts (default) or the held-out split's (write it to "
                         "<corpus>/heldout: trainers given the corpus read their held-out figures from there)")
