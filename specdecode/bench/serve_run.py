@@ -82,8 +82,59 @@ def run_serve_bench(args, log=lambda s: print(s, file=sys.stderr)) -> dict:
     return results
 
 
+def run_mix_bench(args, log=lambda s: print(s, file=sys.stderr)) -> dict:
+    """`bench serve --mix assistant`: every --target in turn (or --base-url, or our own server), the same requests."""
+    from specdecode.bench.mix import long_requests, run_mix, short_requests, summarise_mix
+    from specdecode.bench.servers import ManagedServer, ServerSpec
+    from specdecode.catalog.registry import resolve_model
+    from specdecode.hardware import cpu_name
+    from specdecode.model.tokenizer import Tokenizer
+
+    targets = {}
+    for item in args.target:
+        name, sep, url = item.partition("=")
+        if not sep or not name or not url.startswith("http"):
+            raise ConfigError(f"--target takes NAME=URL (e.g. ours=http://127.0.0.1:8000), got {item!r}")
+        targets[name] = url.rstrip("/")
+    if not targets and args.base_url:
+        targets["server"] = args.base_url.rstrip("/")
+    tokenizer = Tokenizer(resolve_model(args.model))
+    short = short_requests(args.max_tokens_cap)
+    long = long_requests(tokenizer, args.long_tokens, args.long_max_tokens)
+    if not long:
+        raise ConfigError(f"no held-out standard-library file has {args.long_tokens} tokens: lower --long-tokens")
+    results = {"settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+                            if k not in ("func", "api_key")}, "cpu": cpu_name(), "runs": {}}
+    results["settings"]["long_files"] = [r.source for r in long]
+    with ExitStack() as stack:
+        if not targets:
+            spec = ServerSpec("adaptive", args.model, "auto", args.num_speculative_tokens, args.max_num_seqs,
+                              args.long_tokens + 512, threads=args.threads)
+            server = stack.enter_context(ManagedServer(spec, args.out))
+            log(f"our server ready after {server.wait_ready():.0f} s")
+            targets["specdecode"] = server.base_url
+        for name, url in targets.items():
+            model = args.served_model or _served_model(url, args.api_key)
+            outcomes, seconds = asyncio.run(run_mix(url, model, short, long, args.streams, args.long_streams,
+                                                    args.max_seconds, args.temperature, args.api_key))
+            run = results["runs"][name] = summarise_mix(outcomes, seconds)
+            log(f"{name}: {run['output_tokens_per_s']:.1f} tok/s; short: {run['short']['done']} done, TTFT p50/p99 "
+                f"{run['short']['p50_ttft_ms'] / 1000:.2f}/{run['short']['p99_ttft_ms'] / 1000:.2f} s, gap p99 "
+                f"{run['short']['p99_gap_ms']:.0f} ms; long: {run['long']['done']} done, TTFT p50 "
+                f"{run['long']['p50_ttft_ms'] / 1000:.1f} s")
+    return results
+
+
 def cmd_bench_serve(args) -> int:
     from specdecode.bench.serve_report import write_serve_report
+
+    if args.mix:
+        from specdecode.bench.mix import write_mix_report
+
+        paths = write_mix_report(run_mix_bench(args), args.out)
+        print(paths["report"].read_text())
+        print("wrote " + ", ".join(str(p) for p in paths.values()))
+        return 0
 
     paths = write_serve_report(run_serve_bench(args), args.out)
     print(paths["report"].read_text())

@@ -230,6 +230,20 @@ def register_serve(sub) -> None:
     p.add_argument("--seed", type=SEED, default=0, help="seed of the arrival times")
     p.add_argument("--note", default="", help="free text for the report")
     p.add_argument("--out", type=Path, default=Path("bench_results"), help="output folder (default bench_results)")
+    mix = p.add_argument_group("a code assistant's mix (bench/mix.py): closed loops of short questions and long files")
+    mix.add_argument("--mix", choices=("assistant",), default=None,
+                     help="run the mix instead of ShareGPT: --streams loops of the coding questions we ship and "
+                          "--long-streams loops of --long-tokens-token standard-library files, --max-seconds per "
+                          "target; per class TTFT and chunk-gap percentiles, tokens/s and one plot of every target")
+    mix.add_argument("--target", action="append", default=[], metavar="NAME=URL",
+                     help="with --mix: a server to measure, named (repeat it: ours and each peer on one figure; "
+                          "default --base-url, else our own server started with --model)")
+    mix.add_argument("--streams", type=POSITIVE, default=6, help="with --mix: short-request loops (default 6)")
+    mix.add_argument("--long-streams", type=POSITIVE, default=1, help="with --mix: long-request loops (default 1)")
+    mix.add_argument("--long-tokens", type=POSITIVE, default=4096, help="with --mix: a long prompt's file tokens "
+                                                                        "(default 4096)")
+    mix.add_argument("--long-max-tokens", type=TOKENS, default=64, help="with --mix: a long request's max_tokens "
+                                                                         "(default 64)")
     p.set_defaults(func=cmd_bench_serve)
 
 
