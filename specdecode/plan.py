@@ -231,7 +231,7 @@ def model_memory(c: ModelConfig, itemsize: int, kv_itemsize: int, packed: bool, 
     embed = c.vocab_size * c.hidden_size
     matrices = linear + embed * (1 if c.tie_word_embeddings else 2)
     other = c.num_hidden_layers * _layer_other_params(c) + c.hidden_size  # norms, biases; the final norm
-    kv = 2 * c.num_hidden_layers * (c.num_key_value_heads // tp) * c.head_dim * kv_itemsize
+    kv = int(2 * c.num_hidden_layers * (c.num_key_value_heads // tp) * c.head_dim * kv_itemsize)
     if quantized is not None:
         if in_file:
             matrices = linear + (c.vocab_size if head_rows is None else head_rows) * c.hidden_size
@@ -307,7 +307,8 @@ def plan_memory(model_dir: str | Path, budget: int, max_model_len: int | None, m
     itemsize = dtype.itemsize
     # see LlamaForCausalLM.kv_dtype: float16 on CPU where the fused kernels run (kept-quantized float32 models)
     kv_itemsize = (2 if quantized is not None and itemsize == 4 else 4) if device.type == "cpu" else itemsize
-    target_kv_itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}.get(kv_cache_dtype, kv_itemsize)
+    # (q8_0: a byte a value and a float16 scale per 32: 17/16 of a byte)
+    target_kv_itemsize = {"float32": 4, "bfloat16": 2, "float16": 2, "q8_0": 17 / 16}.get(kv_cache_dtype, kv_itemsize)
     packed = resolve_backend("auto", device, dtype) == "onednn"
     max_model_len = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
     tree = speculative.tree_size if speculative is not None else 0

@@ -440,7 +440,7 @@ def register_perplexity(sub) -> None:
     p.add_argument("--windows", type=POSITIVE, default=8, help="windows of text (default 8)")
     p.add_argument("--window", type=POSITIVE, default=512, help="tokens per window (default 512)")
     p.add_argument("--threads", type=THREADS, default=None, help="torch threads (default: torch's choice)")
-    p.add_argument("--kv-cache-dtypes", nargs="+", choices=["float32", "float16", "bfloat16"], default=None,
+    p.add_argument("--kv-cache-dtypes", nargs="+", choices=["float32", "float16", "bfloat16", "q8_0"], default=None,
                    help="compare KV cache dtypes through the kernels instead (the first is the baseline)")
     p.add_argument("--out", type=Path, default=None, help="also write the report as JSON here")
     p.set_defaults(func=_run("specdecode.bench.perplexity", "cmd_bench_perplexity"))

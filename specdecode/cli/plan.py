@@ -26,10 +26,10 @@ def register(sub) -> None:
     p.add_argument("--block-size", type=int_range(0, 1024), default=BLOCK_SIZE,
                    help=f"positions per block of the paged KV cache (default {BLOCK_SIZE}); 0: one row of "
                         "--max-model-len per sequence (the slots layout)")
-    p.add_argument("--kv-cache-dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+    p.add_argument("--kv-cache-dtype", choices=("auto", "float32", "bfloat16", "float16", "q8_0"), default="auto",
                    help="what the target's keys and values are stored as (default auto: float16 on CPU where the "
                         "quantized kernels run, half of float32's bytes for +0.02%% perplexity; float32 with float "
-                        "weights)")
+                        "weights); q8_0: 8 bits a value and a scale per 32, with the quantized kernels only")
     p.add_argument("--headroom", type=float_range(0.0, 1.0, hi_open=True), default=DEFAULT_HEADROOM,
                    help=f"fraction of the memory never planned for (default {DEFAULT_HEADROOM})")
     p.set_defaults(func=cmd_plan, compare=False)

@@ -72,10 +72,11 @@ def register(sub) -> None:
     p.add_argument("--num-kv-blocks", type=int_range(1), default=None,
                    help="the paged pool's size in blocks instead of the memory plan's (a small pool preempts: for "
                         "tests and soaks)")
-    p.add_argument("--kv-cache-dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+    p.add_argument("--kv-cache-dtype", choices=("auto", "float32", "bfloat16", "float16", "q8_0"), default="auto",
                    help="what the target's keys and values are stored as (default auto: float16 on CPU where the "
                         "quantized kernels run, half of float32's bytes for +0.02%% perplexity; float32 with float "
-                        "weights)")
+                        "weights); q8_0: 8 bits a value and a scale per 32, about half of float16's bytes, with "
+                        "the quantized kernels only")
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                    help="prefill a long prompt that arrives while others decode in chunks between their steps "
                         "(default on)")

@@ -27,6 +27,7 @@ from specdecode.model.gguf import find_gguf
 from specdecode.model.cache import BLOCK_SIZE, KV_DTYPES
 from specdecode.model.fim import FimTokens, fim_ids, require_fim
 from specdecode.model.loading import read_config, resolve_device, resolve_quantization
+from specdecode.model.quant import QUANTIZATIONS as KEPT_QUANTIZATIONS
 from specdecode.model.tokenizer import Tokenizer
 from specdecode.catalog.registry import default_speculative_config, model_name, prefetch, resolve_model
 from specdecode.sampling import SamplingParams, choice_seed
@@ -112,6 +113,9 @@ class LLM:
             raise ConfigError(f"kv_cache_dtype must be 'auto' or one of {', '.join(KV_DTYPES)}, got {kv_cache_dtype!r}")
         if kv_cache_dtype != "auto" and tensor_parallel_size > 1:
             raise ConfigError("kv_cache_dtype applies with tensor_parallel_size 1; leave it 'auto'")
+        if kv_cache_dtype == "q8_0" and (quantization not in KEPT_QUANTIZATIONS or self.device.type != "cpu"):
+            raise ConfigError("kv_cache_dtype q8_0 (the 8-bit cache) is read by the fused CPU kernels only: serve a "
+                              "GGUF kept quantized on the CPU (quantization auto or gguf), or choose float16")
         self.plan, max_num_seqs = plan_batch(self.model_dir, self.spec_config, dtype, self.device, max_num_seqs,
                                              max_model_len, tensor_parallel_size, quantization, memory_budget,
                                              gpu_memory_utilization, block_size, kv_cache_dtype)
@@ -128,6 +132,9 @@ class LLM:
         self.runner.prefix_caching = bool(enable_prefix_caching)
         self.runner.block_size = block_size
         self.runner.kv_dtype = KV_DTYPES.get(kv_cache_dtype)
+        if kv_cache_dtype == "q8_0" and self.target.fused_kernel() is None:
+            raise ConfigError("kv_cache_dtype q8_0 needs the fused CPU kernels, which this model does not run (not "
+                              "every layer is block-quantized, or the kernels could not be built): choose float16")
         if self.plan is not None and block_size is not None:
             self.runner.num_blocks = self.plan.num_blocks()
         if num_kv_blocks is not None:

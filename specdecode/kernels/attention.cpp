@@ -46,13 +46,19 @@ struct Source {
   const E* values;
   const int64_t* table;
   int64_t bs, hd, g, kv_heads;
+  int64_t rows;  // values stored per position and kv head: hd, or for an 8-bit cache hd and its scales' bytes
   const E* key(int64_t pos) const {  // &K[pos][0]; its d-th value at + d * bs
-    return keys + ((table[pos / bs] * kv_heads + g) * hd) * bs + pos % bs;
+    return keys + ((table[pos / bs] * kv_heads + g) * rows) * bs + pos % bs;
   }
   const E* value(int64_t pos) const {  // &V[pos][0], hd contiguous values
-    return values + ((table[pos / bs] * kv_heads + g) * bs + pos % bs) * hd;
+    return values + ((table[pos / bs] * kv_heads + g) * bs + pos % bs) * rows;
   }
 };
+
+// What a tile of the cache's element type E is computed in: E itself (float32, or 16-bit values widened exactly
+// as they are read), float for the 8-bit cache (each tile dequantized once, then shared by every row of a stack).
+template <typename E> struct TileOf { using type = E; };
+template <> struct TileOf<int8_t> { using type = float; };
 
 // Asks for the keys and values of the 16 positions from `pos` (all in one block) while the tile before is computed:
 // a tile's keys are a page of their own in the paged layout, which the hardware prefetchers do not enter on their
@@ -63,9 +69,9 @@ inline void prefetch_tile(const Source<E>& src, int64_t pos) {
   const char* k = reinterpret_cast<const char*>(src.key(pos));
   const int64_t k_row = src.bs * static_cast<int64_t>(sizeof(E));  // bytes between d and d + 1
   const int64_t step = k_row >= 64 ? 1 : 64 / k_row;
-  for (int64_t d = 0; d < src.hd; d += step) _mm_prefetch(k + d * k_row, _MM_HINT_T0);
+  for (int64_t d = 0; d < src.rows; d += step) _mm_prefetch(k + d * k_row, _MM_HINT_T0);
   const char* v = reinterpret_cast<const char*>(src.value(pos));
-  for (int64_t at = 0; at < TILE * src.hd * static_cast<int64_t>(sizeof(E)); at += 64)
+  for (int64_t at = 0; at < TILE * src.rows * static_cast<int64_t>(sizeof(E)); at += 64)
     _mm_prefetch(v + at, _MM_HINT_T0);
 #else
   (void)src, (void)pos;
@@ -97,6 +103,33 @@ Tile<E> tile_at(const Source<E>& src, int64_t first, int64_t n, bool identity, M
       std::memcpy(vbuf + j * hd, src.value(pos), hd * sizeof(E));
     } else {
       for (int64_t d = 0; d < hd; ++d) kbuf[d * TILE + j] = narrow<E>(0.0f);
+    }
+  }
+  return {kbuf, TILE, vbuf, n};
+}
+
+// The 8-bit cache's tile of logical positions [first, first + n), dequantized into kbuf [hd][TILE] / vbuf
+// [TILE][hd]: value = scale * q, exact in float32 (a float16 scale times an 8-bit integer fits its 24 bits), so a
+// tile holds the very numbers a float32 cache of the dequantized entries would, and every path gives their bits.
+template <typename Map>
+Tile<float> tile_at(const Source<int8_t>& src, int64_t first, int64_t n, bool identity, Map physical, float* kbuf,
+                    float* vbuf) {
+  const int64_t bs = src.bs, hd = src.hd;
+  for (int64_t j = 0; j < TILE; ++j) {
+    if (j < n) {
+      const int64_t pos = identity ? first + j : physical(first + j);
+      const int8_t* k = src.key(pos);
+      const int8_t* v = src.value(pos);
+      for (int64_t b = 0; b < hd / Q8_GROUP; ++b) {
+        const float ks = q8_scale(k[(hd + 2 * b) * bs], k[(hd + 2 * b + 1) * bs]);
+        const float vs = q8_scale(v[hd + 2 * b], v[hd + 2 * b + 1]);
+        for (int64_t d = b * Q8_GROUP; d < (b + 1) * Q8_GROUP; ++d) {
+          kbuf[d * TILE + j] = ks * static_cast<float>(k[d * bs]);
+          vbuf[j * hd + d] = vs * static_cast<float>(v[d]);
+        }
+      }
+    } else {
+      for (int64_t d = 0; d < hd; ++d) kbuf[d * TILE + j] = 0.0f;
     }
   }
   return {kbuf, TILE, vbuf, n};
@@ -401,7 +434,8 @@ void attend_all(const AttentionStep& step, const E* keys, const E* values, const
   at::parallel_for(0, B * G * blocks_per_row, 1, [&](int64_t begin, int64_t end) {
     const int64_t most = TOKENS_PER_ITEM * group;
     std::vector<float> q_buf(most * hd), acc_buf(most * hd);
-    std::vector<E> kbuf(hd * TILE), vbuf(TILE * hd);
+    using T_ = typename TileOf<E>::type;
+    std::vector<T_> kbuf(hd * TILE), vbuf(TILE * hd);
     std::vector<int64_t> where(fresh);  // a tree row's visible fresh slots, in order
     Rows rows;
     rows.hd = hd;
@@ -409,7 +443,7 @@ void attend_all(const AttentionStep& step, const E* keys, const E* values, const
       const int64_t b = item / (G * blocks_per_row), g = item / blocks_per_row % G;
       const int64_t t0 = item % blocks_per_row * TOKENS_PER_ITEM, t1 = std::min(T, t0 + TOKENS_PER_ITEM);
       const int64_t prefix = step.length[b];
-      const Source<E> src{keys, values, step.table + b * step.width, step.bs, hd, g, G};
+      const Source<E> src{keys, values, step.table + b * step.width, step.bs, hd, g, G, stored_rows<E>(hd)};
       rows.n = (t1 - t0) * group;
       rows.q.assign(rows.n, nullptr), rows.acc.assign(rows.n, nullptr), rows.seen.assign(rows.n, 0);
       rows.m.assign(rows.n, -INFINITY), rows.l.assign(rows.n, 0.0f), rows.alpha.assign(rows.n, 1.0f);
@@ -438,8 +472,8 @@ void attend_all(const AttentionStep& step, const E* keys, const E* values, const
       for (int64_t first = 0; first < shared_end; first += TILE) {
         const int64_t ahead = first + PREFETCH_TILES * TILE;
         if (ahead + TILE <= shared_end && ahead % step.bs + TILE <= step.bs) prefetch_tile(src, ahead);
-        const Tile<E> t = tile_at(src, first, std::min(TILE, shared_end - first), true, identity, kbuf.data(),
-                                  vbuf.data());
+        const Tile<T_> t = tile_at(src, first, std::min(TILE, shared_end - first), true, identity, kbuf.data(),
+                                   vbuf.data());
         step_tile(rows, 0, rows.n, first, t, path);
       }
       if (step.mask) {  // per token: the prefix's last partial tile and its visible fresh nodes, compacted
@@ -451,8 +485,8 @@ void attend_all(const AttentionStep& step, const E* keys, const E* values, const
           auto physical = [&](int64_t i) { return i < prefix ? i : where[i - prefix]; };
           const int64_t r0 = (t - t0) * group, seen = prefix + n;
           for (int64_t first = shared_end; first < seen; first += TILE) {
-            const Tile<E> tile = tile_at(src, first, std::min(TILE, seen - first), false, physical, kbuf.data(),
-                                         vbuf.data());
+            const Tile<T_> tile = tile_at(src, first, std::min(TILE, seen - first), false, physical, kbuf.data(),
+                                          vbuf.data());
             step_tile(rows, r0, r0 + group, first, tile, path);
           }
         }
@@ -474,7 +508,8 @@ void check_attention_inputs(const torch::Tensor& keys, const torch::Tensor& valu
                             const torch::Tensor& lengths, int64_t B, int64_t fresh) {
   TORCH_CHECK(keys.dtype() == values.dtype() && keys.is_contiguous() && values.is_contiguous() &&
               (keys.dtype() == torch::kFloat32 || keys.dtype() == torch::kBFloat16 ||
-               keys.dtype() == torch::kFloat16), "the cache must be contiguous float32, bfloat16 or float16");
+               keys.dtype() == torch::kFloat16 || keys.dtype() == torch::kInt8),
+              "the cache must be contiguous float32, bfloat16, float16 or int8 (8-bit entries and their scales)");
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == B && lengths.numel() == B, "one table and length per row");
   const int64_t bs = keys.size(3), num_blocks = keys.size(0), width = tables.size(1);
   const int64_t* table = tables.data_ptr<int64_t>();
@@ -495,6 +530,8 @@ void paged_attention(const AttentionStep& step, const torch::Tensor& keys, const
     attend_all(step, keys.data_ptr<float>(), values.data_ptr<float>(), q, out, use_simd);
   else if (keys.scalar_type() == torch::kBFloat16)
     attend_all(step, keys.data_ptr<c10::BFloat16>(), values.data_ptr<c10::BFloat16>(), q, out, use_simd);
+  else if (keys.scalar_type() == torch::kInt8)
+    attend_all(step, keys.data_ptr<int8_t>(), values.data_ptr<int8_t>(), q, out, use_simd);
   else
     attend_all(step, keys.data_ptr<c10::Half>(), values.data_ptr<c10::Half>(), q, out, use_simd);
 }
@@ -504,7 +541,8 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& keys, const
                         const c10::optional<torch::Tensor>& visible, int64_t num_heads, int64_t num_kv_heads,
                         int64_t new_tokens, bool use_simd) {
   TORCH_CHECK(q.dtype() == torch::kFloat32 && q.dim() == 2 && q.is_contiguous(), "q must be [B*T, H*hd] float32");
-  const int64_t T = new_tokens, B = q.size(0) / T, hd = keys.size(2);
+  const int64_t T = new_tokens, B = q.size(0) / T;
+  const int64_t hd = keys.scalar_type() == torch::kInt8 ? keys.size(2) * Q8_GROUP / (Q8_GROUP + 2) : keys.size(2);
   auto table_list = tables.to(torch::kInt64).contiguous();
   auto length_list = lengths.to(torch::kInt64).contiguous();
   torch::Tensor mask_tensor;

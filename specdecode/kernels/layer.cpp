@@ -63,6 +63,29 @@ void write_cache(const AttentionStep& step, const float* qkv_data, E* kd, E* vd)
   }
 }
 
+// The 8-bit cache (quant.h's Q8_GROUP layout): each group of a new key or value quantized, its scale beside it.
+void write_cache_q8(const AttentionStep& step, const float* qkv_data, int8_t* kd, int8_t* vd) {
+  const int64_t T = step.T, H = step.H, G = step.G, hd = step.hd, bs = step.bs, rows = stored_rows<int8_t>(hd);
+  const int64_t k_block = G * rows * bs, v_block = G * bs * rows;
+  for (int64_t b = 0; b < step.B; ++b) {
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t pos = step.length[b] + step.pending + t, block = step.table[b * step.width + pos / bs];
+      const int64_t at = pos % bs;
+      const float* row = qkv_data + (b * T + t) * step.q_stride;
+      for (int64_t g = 0; g < G; ++g) {
+        const float* k = row + (H + g) * hd;
+        const float* v = row + (H + G + g) * hd;
+        int8_t* kt = kd + block * k_block + g * rows * bs + at;
+        int8_t* vt = vd + block * v_block + (g * bs + at) * rows;
+        for (int64_t grp = 0; grp < hd / Q8_GROUP; ++grp) {
+          q8_quantize(k + grp * Q8_GROUP, kt + grp * Q8_GROUP * bs, bs, kt + (hd + 2 * grp) * bs, bs);
+          q8_quantize(v + grp * Q8_GROUP, vt + grp * Q8_GROUP, 1, vt + hd + 2 * grp, 1);
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 
 void layer_step(torch::Tensor x, const torch::Tensor& input_norm, const torch::Tensor& post_norm, double eps,
@@ -132,7 +155,10 @@ void layer_step(torch::Tensor x, const torch::Tensor& input_norm, const torch::T
     write_cache(step, qkv_data, keys.data_ptr<float>(), values.data_ptr<float>());
   else if (keys.scalar_type() == torch::kBFloat16)
     write_cache(step, qkv_data, keys.data_ptr<c10::BFloat16>(), values.data_ptr<c10::BFloat16>());
-  else
+  else if (keys.scalar_type() == torch::kInt8) {
+    TORCH_CHECK(hd % Q8_GROUP == 0, "an 8-bit KV cache needs a head size that is a multiple of ", Q8_GROUP);
+    write_cache_q8(step, qkv_data, keys.data_ptr<int8_t>(), values.data_ptr<int8_t>());
+  } else
     write_cache(step, qkv_data, keys.data_ptr<c10::Half>(), values.data_ptr<c10::Half>());
   paged_attention(step, keys, values, qkv_data, attn.data_ptr<float>(), true);
   auto o = qmatmul_parts(attn, w_o, f_o, true);  // [BT, D]

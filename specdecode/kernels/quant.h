@@ -2,6 +2,9 @@
 #pragma once
 #include <torch/extension.h>
 
+#include <algorithm>
+#include <cmath>
+
 // rows [N, bytes] of GGUF blocks -> the packed matrix (8 rows interleaved) that the products read (see quant.cpp).
 torch::Tensor pack(const torch::Tensor& weight, int64_t format, int64_t in_features);
 
@@ -33,6 +36,33 @@ int64_t vector_bits();
 // One cached forward's attention (attention.cpp): B rows of T new tokens, H query heads over G kv heads of head
 // dim hd; row b's new token t is at lengths[b] + pending + t and sees the committed prefix and the fresh positions
 // that mask[b][t] ([pending + T] bool) marks, or (no mask) the causal ones.
+// The 8-bit KV cache (as llama.cpp's q8_0 cache): each group of Q8_GROUP values of a position's key or value is
+// q = round(x / d) in [-127, 127] with d = max |x| / 127 kept as float16, its two bytes stored beside the group's
+// values: keys [blocks][kv_heads][hd + 2 hd / Q8_GROUP][bs] (rows hd + 2b, hd + 2b + 1 hold group b's scale, low
+// byte first, for every position), values [blocks][kv_heads][bs][hd + 2 hd / Q8_GROUP]. A position's scales thus
+// move with it wherever the cache copies positions or blocks.
+constexpr int64_t Q8_GROUP = 32;
+
+template <typename E> inline int64_t stored_rows(int64_t hd) { return hd; }
+template <> inline int64_t stored_rows<int8_t>(int64_t hd) { return hd + 2 * hd / Q8_GROUP; }
+
+inline float q8_scale(int8_t low, int8_t high) {
+  const uint16_t bits = static_cast<uint16_t>(static_cast<uint8_t>(low) | (static_cast<uint8_t>(high) << 8));
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+// x[0..Q8_GROUP) -> q[i * q_stride] and its scale's two bytes at scale[0] and scale[scale_stride].
+inline void q8_quantize(const float* x, int8_t* q, int64_t q_stride, int8_t* scale, int64_t scale_stride) {
+  float amax = 0.0f;
+  for (int64_t i = 0; i < Q8_GROUP; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+  for (int64_t i = 0; i < Q8_GROUP; ++i)
+    q[i * q_stride] = static_cast<int8_t>(std::max(-127.0f, std::min(127.0f, std::nearbyint(x[i] * id))));
+  const uint16_t bits = c10::Half(d).x;
+  scale[0] = static_cast<int8_t>(bits & 0xFF);
+  scale[scale_stride] = static_cast<int8_t>(bits >> 8);
+}
+
 struct AttentionStep {
   int64_t B, T, H, G, hd, bs, width, pending, q_stride;
   const int64_t* table;  // [B, width]

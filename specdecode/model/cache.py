@@ -22,11 +22,28 @@ import mmap
 import numpy
 import torch
 
+from specdecode.errors import ConfigError
 from specdecode.model.blocks import BLOCK_SIZE, ROOT, BlockPool, CacheFull
 
-KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "q8_0": torch.int8}
 """What keys and values may be stored as (the fused kernels widen 16-bit entries exactly and round new ones to
-nearest): half the memory of float32 for a little rounding of every cached entry."""
+nearest): half the memory of float32 for a little rounding of every cached entry; q8_0 (int8 tensors) a quarter
+and a little: each 32 values of a position's key or value as 8-bit integers and a float16 scale stored beside them
+(kernels/quant.h's Q8_GROUP layout), read and written by the fused kernels only."""
+
+Q8_GROUP = 32
+"""Values per scale of the 8-bit cache (quant.h)."""
+
+
+def stored_rows(head_dim: int, dtype: torch.dtype) -> int:
+    """Values a cache of `dtype` stores per position and kv head: head_dim, and for the 8-bit cache the two bytes of
+    each group's scale."""
+    if dtype != torch.int8:
+        return head_dim
+    if head_dim % Q8_GROUP:
+        raise ConfigError(f"an 8-bit KV cache (q8_0) needs a head size that is a multiple of {Q8_GROUP}, not "
+                          f"{head_dim}: choose float16")
+    return head_dim + 2 * head_dim // Q8_GROUP
 
 
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
@@ -63,9 +80,10 @@ class KVCache:
         self.block_size = block_size if paged else max_len
         width = -(-max_len // self.block_size)
         blocks = (num_blocks or slots * width) if paged else slots
-        self.k = [lazy_zeros((blocks, kv_heads, head_dim, self.block_size), dtype, device)
+        rows = stored_rows(head_dim, dtype)
+        self.k = [lazy_zeros((blocks, kv_heads, rows, self.block_size), dtype, device)
                   for _ in range(num_layers)]
-        self.v = [lazy_zeros((blocks, kv_heads, self.block_size, head_dim), dtype, device)
+        self.v = [lazy_zeros((blocks, kv_heads, self.block_size, rows), dtype, device)
                   for _ in range(num_layers)]
         self.max_len = max_len
         self.device = torch.device(device)
@@ -228,6 +246,7 @@ class KVCache:
     def write(self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor, k_new: torch.Tensor,
               v_new: torch.Tensor) -> None:
         """Store new keys/values [B, kv_heads, T, head_dim] at addresses blocks, offsets [B, T] (see address)."""
+        self._torch_readable()
         # Advanced indices around slices put the indexed dims first: [B, T, kv_heads, head_dim] for both.
         # (An indexed write does not convert dtypes as a slice copy does: the cache may be float32 under bfloat16.)
         self.k[layer][blocks, :, :, offsets] = k_new.transpose(1, 2).to(self.k[layer].dtype)
@@ -236,9 +255,15 @@ class KVCache:
     def write_block(self, layer: int, first_slot: int, start: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
         """Slots layout: store new keys/values [B, kv_heads, T, head_dim] of rows first_slot.. at positions
         start..start+T-1."""
+        self._torch_readable()
         B, T = k_new.shape[0], k_new.shape[2]
         self.k[layer][first_slot:first_slot + B, :, :, start:start + T] = k_new.transpose(2, 3)
         self.v[layer][first_slot:first_slot + B, :, start:start + T] = v_new
+
+    def _torch_readable(self) -> None:
+        if self.k[0].dtype == torch.int8:
+            raise ConfigError("the 8-bit KV cache (q8_0) is read and written by the fused CPU kernels only (a GGUF "
+                              "kept quantized on the CPU); use float16 here")
 
     def gather_table(self, slots: torch.Tensor, length: int) -> torch.Tensor:
         """Paged: the blocks [B, n] on the device holding positions [0, length) of the rows (absent ones as block
@@ -250,6 +275,7 @@ class KVCache:
         """Keys [B, kv_heads, head_dim, length] (transposed) and values [B, kv_heads, length, head_dim] of the
         first `length` positions of `rows`: slots layout, a slice of rows (views, no copy) or a tensor of slots
         (a gathered copy); paged, a gather_table (a copy, block by block in order of position)."""
+        self._torch_readable()
         if self.pool is None:
             return self.k[layer][rows, :, :, :length], self.v[layer][rows, :, :length]
         B, n = rows.shape

@@ -54,10 +54,16 @@ def test_attention_on_another_instruction_set_gives_the_same_bits(march, isa, tm
     other = cpp_extension.load(name=f"specdecode_attention_{isa}_check", extra_cflags=flags,
                                extra_ldflags=["-fopenmp"], build_directory=str(tmp_path), verbose=False,
                                sources=[str(p) for p in compiled.SOURCES if p.suffix == ".cpp"])
+    from tests.model.test_q8_cache import packed
+
     g = torch.Generator().manual_seed(0)
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        keys = torch.randn(12, 2, 64, 16, generator=g).to(dtype)
-        values = torch.randn(12, 2, 16, 64, generator=g).to(dtype)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int8):
+        keys = torch.randn(12, 2, 64, 16, generator=g)
+        values = torch.randn(12, 2, 16, 64, generator=g)
+        if dtype == torch.int8:  # the 8-bit cache: values and their scales
+            keys, values, _, _ = packed(keys, values)
+        else:
+            keys, values = keys.to(dtype), values.to(dtype)
         tables = torch.randperm(12, generator=g)[:10].view(2, 5)
         for T, tree in ((1, False), (7, False), (5, True)):
             q = torch.randn(2 * T, 6 * 64, generator=g)
