@@ -40,50 +40,45 @@ void rms_norm(const float* x, const float* w, float eps, int64_t rows, int64_t D
   }
 }
 
-// The new keys and values into the cache, rounded to its element type E (row b's new token t at position
-// lengths[b] + pending + t, offset pos % bs of block tables[b][pos / bs]).
-template <typename E>
-void write_cache(const AttentionStep& step, const float* qkv_data, E* kd, E* vd) {
+// Every new token's key and value of each kv head (hd floats each, after rotary) and where its position lies in
+// the cache: put(k, v, kt, vt) with kt its key's first value (the next at + bs: keys are transposed) and vt its
+// value's row; `rows` values are stored per position and kv head (hd, and the 8-bit cache's scales).
+template <typename E, typename Put>
+void for_each_new_entry(const AttentionStep& step, const float* qkv_data, E* kd, E* vd, int64_t rows, Put put) {
   const int64_t T = step.T, H = step.H, G = step.G, hd = step.hd, bs = step.bs;
-  const int64_t k_block = G * hd * bs, v_block = G * bs * hd;  // elements per block (one layer)
+  const int64_t k_block = G * rows * bs, v_block = G * bs * rows;  // elements per block (one layer)
   for (int64_t b = 0; b < step.B; ++b) {
-    for (int64_t t = 0; t < T; ++t) {
+    for (int64_t t = 0; t < T; ++t) {  // row b's new token t sits at position lengths[b] + pending + t
       const int64_t pos = step.length[b] + step.pending + t, block = step.table[b * step.width + pos / bs];
       const int64_t at = pos % bs;
       const float* row = qkv_data + (b * T + t) * step.q_stride;
-      for (int64_t g = 0; g < G; ++g) {
-        const float* k = row + (H + g) * hd;
-        const float* v = row + (H + G + g) * hd;
-        E* kt = kd + block * k_block + g * hd * bs + at;
-        E* vt = vd + block * v_block + (g * bs + at) * hd;
-        for (int64_t d = 0; d < hd; ++d) kt[d * bs] = narrow<E>(k[d]);
-        for (int64_t d = 0; d < hd; ++d) vt[d] = narrow<E>(v[d]);
-      }
+      for (int64_t g = 0; g < G; ++g)
+        put(row + (H + g) * hd, row + (H + G + g) * hd, kd + block * k_block + g * rows * bs + at,
+            vd + block * v_block + (g * bs + at) * rows);
     }
   }
 }
 
+// The new keys and values into the cache, rounded to its element type E.
+template <typename E>
+void write_cache(const AttentionStep& step, const float* qkv_data, E* kd, E* vd) {
+  const int64_t hd = step.hd, bs = step.bs;
+  for_each_new_entry(step, qkv_data, kd, vd, hd, [&](const float* k, const float* v, E* kt, E* vt) {
+    for (int64_t d = 0; d < hd; ++d) kt[d * bs] = narrow<E>(k[d]);
+    for (int64_t d = 0; d < hd; ++d) vt[d] = narrow<E>(v[d]);
+  });
+}
+
 // The 8-bit cache (quant.h's Q8_GROUP layout): each group of a new key or value quantized, its scale beside it.
 void write_cache_q8(const AttentionStep& step, const float* qkv_data, int8_t* kd, int8_t* vd) {
-  const int64_t T = step.T, H = step.H, G = step.G, hd = step.hd, bs = step.bs, rows = stored_rows<int8_t>(hd);
-  const int64_t k_block = G * rows * bs, v_block = G * bs * rows;
-  for (int64_t b = 0; b < step.B; ++b) {
-    for (int64_t t = 0; t < T; ++t) {
-      const int64_t pos = step.length[b] + step.pending + t, block = step.table[b * step.width + pos / bs];
-      const int64_t at = pos % bs;
-      const float* row = qkv_data + (b * T + t) * step.q_stride;
-      for (int64_t g = 0; g < G; ++g) {
-        const float* k = row + (H + g) * hd;
-        const float* v = row + (H + G + g) * hd;
-        int8_t* kt = kd + block * k_block + g * rows * bs + at;
-        int8_t* vt = vd + block * v_block + (g * bs + at) * rows;
-        for (int64_t grp = 0; grp < hd / Q8_GROUP; ++grp) {
-          q8_quantize(k + grp * Q8_GROUP, kt + grp * Q8_GROUP * bs, bs, kt + (hd + 2 * grp) * bs, bs);
-          q8_quantize(v + grp * Q8_GROUP, vt + grp * Q8_GROUP, 1, vt + hd + 2 * grp, 1);
-        }
-      }
+  const int64_t hd = step.hd, bs = step.bs;
+  for_each_new_entry(step, qkv_data, kd, vd, stored_rows<int8_t>(hd),
+                     [&](const float* k, const float* v, int8_t* kt, int8_t* vt) {
+    for (int64_t grp = 0; grp < hd / Q8_GROUP; ++grp) {
+      q8_quantize(k + grp * Q8_GROUP, kt + grp * Q8_GROUP * bs, bs, kt + (hd + 2 * grp) * bs, bs);
+      q8_quantize(v + grp * Q8_GROUP, vt + grp * Q8_GROUP, 1, vt + hd + 2 * grp, 1);
     }
-  }
+  });
 }
 
 }  // namespace

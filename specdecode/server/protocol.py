@@ -154,16 +154,7 @@ class _Request(BaseModel):
                 raise bad_request("structured_outputs must hold exactly one of json, regex, choice, grammar",
                                   "structured_outputs")
             found.append(("structured_outputs", dict(picked)))
-        if len(found) > 1:
-            raise bad_request(f"give one of {', '.join(n for n, _ in found)}, not several", found[1][0])
-        if not found:
-            return None, None
-        name, spec = found[0]
-        try:
-            check_structured(spec)
-        except ConfigError as exc:
-            raise bad_request(str(exc), name) from None
-        return name, spec
+        return the_one_structured(found)
 
     def check_supported(self) -> None:
         unsupported = {"modalities": self.modalities not in (None, ["text"])}
@@ -326,16 +317,7 @@ class LlamaCompletionRequest(BaseModel):
                                   "{\"type\": \"json_schema\", \"json_schema\": {\"schema\": {...}}}",
                                   "response_format")
             found.append(("response_format", {"json_schema": schema} if schema else {"json_object": True}))
-        if len(found) > 1:
-            raise bad_request(f"give one of {', '.join(n for n, _ in found)}, not several", found[1][0])
-        if not found:
-            return None, None
-        name, spec = found[0]
-        try:
-            check_structured(spec)
-        except ConfigError as exc:
-            raise bad_request(str(exc), name) from None
-        return name, spec
+        return the_one_structured(found)
 
     def token_bias(self, tokenizer, vocab: int) -> dict[int, float] | None:
         """logit_bias as {token id: bias}: a text's every token; false -> -100 (never picked)."""
@@ -595,3 +577,18 @@ def parse(model: type[BaseModel], body: bytes):
         raise bad_request(f"{where}{first['msg']}", param) from None
     request.check_supported()
     return request
+
+
+def the_one_structured(found: list[tuple[str, dict]]) -> tuple[str | None, dict | None]:
+    """(field name, spec) of the one structured-output field a request gave, checked; (None, None) for none; a 400
+    naming the second when it gave several, or naming the field whose spec is invalid."""
+    if len(found) > 1:
+        raise bad_request(f"give one of {', '.join(n for n, _ in found)}, not several", found[1][0])
+    if not found:
+        return None, None
+    name, spec = found[0]
+    try:
+        check_structured(spec)
+    except ConfigError as exc:
+        raise bad_request(str(exc), name) from None
+    return name, spec
