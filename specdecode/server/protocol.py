@@ -33,6 +33,16 @@ def _integral(value):
 
 
 Int = Annotated[int, BeforeValidator(_integral)]
+
+
+def _until_the_end(value):
+    """llama-server's -1 (generate until an end token or the context is full: llama.vscode's chat edit sends it on
+    /v1/chat/completions) read as an absent limit; any other value as it is."""
+    return None if value == -1 and not isinstance(value, bool) else value
+
+
+Limit = Annotated[int | None, BeforeValidator(_until_the_end), BeforeValidator(_integral)]
+"""max_tokens of the /v1 routes: a positive integer, null, or llama-server's -1 for no limit."""
 """An integer field: 5 or 5.0, never 5.5, "5" or true."""
 
 
@@ -181,7 +191,7 @@ class _Request(BaseModel):
 
 class CompletionRequest(_Request):
     prompt: str | list[Int] | list[str] | list[list[Int]]
-    max_tokens: Int | None = 16
+    max_tokens: Limit = 16
     echo: bool | None = False
     logprobs: Int | None = None
     best_of: Int | None = None
@@ -489,8 +499,8 @@ def _json_or_text(text: str):
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: Int | None = None
-    max_completion_tokens: Int | None = None
+    max_tokens: Limit = None
+    max_completion_tokens: Limit = None
     logprobs: bool | None = False
     top_logprobs: Int | None = None
     tools: list[Tool] | None = None

@@ -91,8 +91,6 @@ def test_a_refused_body_is_a_non_200_the_extension_shows_as_no_suggestion(served
     assert 400 <= response.status_code < 500 and "error" in response.json()
 
 
-@pytest.mark.xfail(strict=True, reason="server bug: /v1/chat/completions refuses max_tokens -1 with a 400, where "
-                                       "llama-server reads it as 'until the end' (llama.vscode's chat edit sends it)")
 def test_its_chat_edit_body(served):
     """createChatEditRequestPayload sends llama.cpp's sampler settings and "max_tokens": -1 (until the end) on
     /v1/chat/completions, and reads choices[0].message.content."""

@@ -172,6 +172,8 @@ BAD_BODIES = [
     ("chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}),
     ("chat/completions", {"messages": [{"role": "user", "content": 3}]}),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": -2}),  # (-1: no limit)
+    ("completions", {"prompt": "x", "max_tokens": -2}),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}] * 1025}),  # more than --max-messages
 ]
