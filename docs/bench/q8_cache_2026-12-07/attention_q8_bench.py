@@ -1,7 +1,8 @@
+# Record: how docs/bench/q8_cache_2026-12-07 was made: python docs/bench/q8_cache_2026-12-07/attention_q8_bench.py
 """Attention alone at the 1.5B's shape, float16 vs the 8-bit cache, interleaved (best of 3 rounds), one thread."""
 import sys, time
 import torch
-sys.path.insert(0, "/work/main")
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[3]))  # (the repo root)
 from specdecode.model.quant import kernels
 from tests.model.test_q8_cache import packed
 torch.set_num_threads(1)
