@@ -36,6 +36,9 @@ class MixOutcome:
     kind: str
     sent: float
     outcome: Outcome
+    cut_off: bool = False
+    """Still running at max_seconds (neither done nor failed): outcome.ttft is its time to first text if it had shown
+    any (outcome.output_tokens 1), else its wait so far (output_tokens 0)."""
 
 
 def short_requests(max_tokens: int) -> list[Request]:
@@ -85,14 +88,22 @@ async def run_mix(base_url: str, model: str, short: list[Request], long: list[Re
             i = first
             while time.perf_counter() - start < max_seconds:
                 sent = time.perf_counter() - start
-                outcome = await _one(client, model, requests[i % len(requests)], temperature)
-                if time.perf_counter() - start <= max_seconds:
-                    done.append(MixOutcome(kind, sent, outcome))
+                progress = {}
+                try:
+                    outcome = await asyncio.wait_for(_one(client, model, requests[i % len(requests)], temperature,
+                                                          progress), max(0.0, max_seconds - sent))
+                except asyncio.TimeoutError:  # cut off: what it had shown by then
+                    first = progress.get("ttft")
+                    shown = Outcome(False, max_seconds - sent, error="cut off at max_seconds") if first is None else \
+                        Outcome(False, first, output_tokens=1, error="cut off at max_seconds")
+                    done.append(MixOutcome(kind, sent, shown, cut_off=True))
+                    return
+                done.append(MixOutcome(kind, sent, outcome))
                 i += step
 
         tasks = [asyncio.create_task(loop("short", short, i, streams)) for i in range(streams)]
         tasks += [asyncio.create_task(loop("long", long, i, long_streams)) for i in range(long_streams)]
-        _, pending = await asyncio.wait(tasks, timeout=max_seconds)
+        _, pending = await asyncio.wait(tasks, timeout=max_seconds + 5)
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
@@ -104,11 +115,15 @@ def summarise_mix(outcomes: list[MixOutcome], seconds: float) -> dict:
     """Per class and over all: requests done and failed, TTFT and chunk-gap percentiles (ms), TPOT p50, tokens/s."""
     out = {"seconds": seconds}
     for kind in CLASSES:
-        mine = [m.outcome for m in outcomes if m.kind == kind]
+        mine = [m.outcome for m in outcomes if m.kind == kind and not m.cut_off]
+        cut = [m for m in outcomes if m.kind == kind and m.cut_off]
         ok = [o for o in mine if o.ok]
-        ttfts, gaps = [o.ttft for o in ok], [g for o in ok for g in o.chunk_gaps]
+        started = [m.outcome.ttft for m in cut if m.outcome.output_tokens]  # streaming at the end: a first token
+        ttfts, gaps = [o.ttft for o in ok] + started, [g for o in ok for g in o.chunk_gaps]
         tpots = [o.tpot for o in ok if o.output_tokens > 1]
         row = {"done": len(ok), "failed": len(mine) - len(ok), "errors": sorted({o.error for o in mine if not o.ok})[:3],
+               "cut_off": len(cut), "waiting_at_end_s": sorted(round(m.outcome.ttft, 1) for m in cut
+                                                               if not m.outcome.output_tokens),
                "output_tokens": sum(o.output_tokens for o in ok), "p50_tpot_ms": 1000 * percentile(tpots, 50)}
         for q in (50, 90, 99):
             row[f"p{q}_ttft_ms"] = 1000 * percentile(ttfts, q)
@@ -135,14 +150,20 @@ def write_mix_report(results: dict, out: Path) -> dict[str, Path]:
              f"CPU: {results.get('cpu', '?')}; {results['settings']['streams']} short streams, "
              f"{results['settings']['long_streams']} long stream(s) of {results['settings']['long_tokens']}-token files, "
              f"{results['settings']['max_seconds']:.0f} s per target.", "",
-             "| target | output tok/s | short done | short TTFT p50 / p90 / p99 (s) | short gap p50 / p99 (ms) | "
-             "long done | long TTFT p50 / p99 (s) |", "|---|---:|---:|---:|---:|---:|---:|"]
+             "| target | output tok/s | short done (cut off) | short TTFT p50 / p90 / p99 (s) | short gap p50 / p99 (ms) "
+             "| long done (cut off) | long TTFT p50 / p99 (s) | still waiting for a first token at the end (s) |",
+             "|---|---:|---:|---:|---:|---:|---:|---|"]
+
+    def seconds(row, *qs, digits=2):
+        return " / ".join(f"{row[f'p{q}_ttft_ms'] / 1000:.{digits}f}" for q in qs) if row["ttfts_ms"] else "-"
+
     for name, run in results["runs"].items():
         s, lg = run["short"], run["long"]
-        lines.append(f"| {name} | {run['output_tokens_per_s']:.1f} | {s['done']} | {s['p50_ttft_ms'] / 1000:.2f} / "
-                     f"{s['p90_ttft_ms'] / 1000:.2f} / {s['p99_ttft_ms'] / 1000:.2f} | {s['p50_gap_ms']:.0f} / "
-                     f"{s['p99_gap_ms']:.0f} | {lg['done']} | {lg['p50_ttft_ms'] / 1000:.1f} / "
-                     f"{lg['p99_ttft_ms'] / 1000:.1f} |")
+        waiting = ", ".join(f"{k} {w:g}" for k in CLASSES for w in run[k].get("waiting_at_end_s", [])) or "-"
+        gaps = f"{s['p50_gap_ms']:.0f} / {s['p99_gap_ms']:.0f}" if s["gaps_ms"] else "-"
+        lines.append(f"| {name} | {run['output_tokens_per_s']:.1f} | {s['done']} ({s.get('cut_off', 0)}) | "
+                     f"{seconds(s, 50, 90, 99)} | {gaps} | {lg['done']} ({lg.get('cut_off', 0)}) | "
+                     f"{seconds(lg, 50, 99, digits=1)} | {waiting} |")
     paths["report"].write_text("\n".join(lines) + "\n")
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for name, run in results["runs"].items():

@@ -102,7 +102,10 @@ def sharegpt_requests(tokenizer, n: int, max_tokens_cap: int, max_prompt_tokens:
     return out
 
 
-async def _one(client: httpx.AsyncClient, model: str, request: Request, temperature: float) -> Outcome:
+async def _one(client: httpx.AsyncClient, model: str, request: Request, temperature: float,
+               progress: dict | None = None) -> Outcome:
+    """The request streamed to its end. progress: where the seconds to its first text go as soon as they are known
+    (for a caller that may cut the request off before it ends)."""
     body = {"model": model, "messages": request.messages, "max_tokens": request.max_tokens, "stream": True,
             "temperature": temperature, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
@@ -127,6 +130,8 @@ async def _one(client: httpx.AsyncClient, model: str, request: Request, temperat
                     now = time.perf_counter()
                     if first is None:
                         first = now
+                        if progress is not None:
+                            progress["ttft"] = first - start
                     else:
                         gaps.append(now - last)
                     last = now

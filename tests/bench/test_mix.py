@@ -30,12 +30,17 @@ def test_summary_per_class():
     outcomes = [MixOutcome("short", 0.0, Outcome(True, 0.5, 1.0, 5, [0.1, 0.1, 0.2])),
                 MixOutcome("short", 1.0, Outcome(True, 1.5, 2.0, 3, [0.3])),
                 MixOutcome("short", 2.0, Outcome(False, error="HTTP 500")),
-                MixOutcome("long", 0.0, Outcome(True, 8.0, 9.0, 4, [0.2, 0.2]))]
+                MixOutcome("long", 0.0, Outcome(True, 8.0, 9.0, 4, [0.2, 0.2])),
+                MixOutcome("long", 4.0, Outcome(False, 5.0, output_tokens=1, error="cut off"), cut_off=True),
+                MixOutcome("short", 3.0, Outcome(False, 7.0, error="cut off"), cut_off=True)]
     summary = summarise_mix(outcomes, 10.0)
+    # cut off: neither done nor failed; a first token seen counts in TTFT, a wait without one is listed apart
+    assert summary["long"]["cut_off"] == 1 and summary["long"]["ttfts_ms"] == [8000.0, 5000.0]
+    assert summary["short"]["cut_off"] == 1 and summary["short"]["waiting_at_end_s"] == [7.0]
     assert summary["short"]["done"] == 2 and summary["short"]["failed"] == 1
     assert summary["short"]["errors"] == ["HTTP 500"] and summary["long"]["done"] == 1
     assert summary["output_tokens_per_s"] == pytest.approx(1.2)
-    assert summary["short"]["ttfts_ms"] == [500.0, 1500.0] and summary["long"]["p50_ttft_ms"] == 8000.0
+    assert summary["short"]["ttfts_ms"] == [500.0, 1500.0]
     assert summary["short"]["p50_ttft_ms"] <= summary["short"]["p99_ttft_ms"] == pytest.approx(1500, rel=0.02)
 
 
