@@ -7,7 +7,6 @@ and reason): passed, model-dependent, deliberate difference, not supported, prot
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -18,6 +17,8 @@ import tarfile
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
+
+from specdecode.catalog.registry import sha256_file
 
 SDIST = "llama-cpp-python==0.3.36"
 SDIST_FILE = "llama_cpp_python-0.3.36.tar.gz"
@@ -115,14 +116,6 @@ def launch(argv: list[str]) -> int:
 
 # -- fetching and installing the suite ------------------------------------------------------------------------------
 
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def fetch_suite(work: Path, python: str = sys.executable) -> Path:
     """The suite's directory, unpacked from the pinned sdist (downloaded with pip once, checked by sha256)."""
     suite = work / SUITE_DIR
@@ -132,7 +125,7 @@ def fetch_suite(work: Path, python: str = sys.executable) -> Path:
     if not sdist.exists():
         subprocess.run([python, "-m", "pip", "download", SDIST, "--no-binary", ":all:", "--no-deps", "-d", str(work)],
                        check=True)
-    found = sha256(sdist)
+    found = sha256_file(sdist)
     if found != SDIST_SHA256:
         raise RuntimeError(f"{sdist} has sha256 {found}, not the pinned {SDIST_SHA256}; delete it and retry")
     with tarfile.open(sdist) as tar:
