@@ -172,7 +172,8 @@ def write_mix_report(results: dict, out: Path) -> dict[str, Path]:
                                                  ("long", "ttfts_ms", "long requests: time to first token (s)"))):
             values = sorted(v / 1000 for v in run[kind][key])
             if values:
-                ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=name)
+                ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=name,
+                        marker="o" if len(values) < 20 else None)  # (a class with few requests: its points)
             ax.set_xlabel(label)
             ax.set_xscale("log")
     axes[0].set_ylabel("fraction of requests (or gaps) at most")
