@@ -78,6 +78,7 @@ class PackedStore:
             for old in self.folder.glob(self.prefix + "*.safetensors"):  # (other kernels' builds)
                 if old != self.path:
                     old.unlink(missing_ok=True)
+            self.mapped = self._map()  # (a later load in this process maps what was just written)
         self.made.clear()
 
     def _map(self) -> dict[str, torch.Tensor]:

@@ -64,6 +64,8 @@ def test_a_second_load_maps_what_the_first_packed(written, store_here, monkeypat
     assert len(files) == 1 and files[0].stat().st_size > 0
     assert not mapped_from_store(first)  # packed here, then written
     calls = count_packing(monkeypatch)
+    again = load_model(path, quantization="gguf")  # the same process's store, after it wrote the file: mapped
+    assert calls == [] and mapped_from_store(again)
     second = load(path)
     assert calls == [] and mapped_from_store(second)
     assert torch.equal(cached_logits(second, IDS), expected)
