@@ -28,6 +28,21 @@ def vector_widths() -> list[int]:
     return widths
 
 
+def on_every_width(call) -> torch.Tensor:
+    """call() on the scalar path, then on every vector width this build runs, each giving the scalar path's bits;
+    returns them."""
+    scalar = call(False)
+    saved = kernels().vector_bits()
+    try:
+        for bits in vector_widths():
+            kernels().set_vector_bits(bits)
+            assert torch.equal(call(True), scalar), bits
+    finally:
+        if saved:
+            kernels().set_vector_bits(saved)
+    return scalar
+
+
 def make_cache(rows: int, max_len: int, kv_heads: int, dtype, block_size: int, seed: int = 0, hd: int = HD):
     """Keys [blocks, G, hd, bs] and values [blocks, G, bs, hd] of random numbers, each row's blocks at shuffled
     places in the pool, and the tables [rows, width]."""
@@ -95,16 +110,8 @@ def test_close_to_the_reference_and_simd_is_the_scalar_bits(dtype, block_size, h
         keys, values, tables = make_cache(B, int(lengths.max()) + pending + T, G, dtype, block_size, hd=hd)
         visible = torch.stack([random_tree(T, pending, g) for _ in range(B)]) if tree else None
         q = torch.randn(B * T, H * hd, generator=g)
-        scalar = kernels().attention(q, keys, values, tables, lengths, pending, visible, H, G, T, use_simd=False)
-        saved = kernels().vector_bits()
-        try:
-            for bits in vector_widths():
-                kernels().set_vector_bits(bits)
-                got = kernels().attention(q, keys, values, tables, lengths, pending, visible, H, G, T)
-                assert torch.equal(got, scalar), (bits, B, T, pending, tree)
-        finally:
-            if saved:
-                kernels().set_vector_bits(saved)
+        got = on_every_width(lambda simd: kernels().attention(q, keys, values, tables, lengths, pending, visible, H, G,
+                                                              T, use_simd=simd))
         want = reference(q, keys, values, tables, lengths, pending, visible, H, G, T)
         assert torch.allclose(got.double(), want, atol=2e-5, rtol=1e-4), (got.double() - want).abs().max()
 

@@ -11,7 +11,7 @@ from specdecode.errors import ConfigError
 from specdecode.model.cache import KVCache, stored_rows
 from specdecode.model.quant import kernels, quantize_linears
 
-from tests.model.test_attention_kernel import make_cache, random_tree, vector_widths
+from tests.model.test_attention_kernel import make_cache, on_every_width, random_tree
 from tests.model.test_linear import tiny_model
 
 pytestmark = pytest.mark.skipif(kernels() is None, reason="the kernels cannot be compiled here")
@@ -56,17 +56,9 @@ def test_the_kernel_reads_the_8bit_cache_as_its_dequantized_numbers(block_size, 
         visible = torch.stack([random_tree(T, pending, g) for _ in range(B)]) if tree else None
         q = torch.randn(B * T, H * hd, generator=g)
         want = kernels().attention(q, k32, v32, tables, lengths, pending, visible, H, G, T, use_simd=False)
-        assert torch.equal(kernels().attention(q, k8, v8, tables, lengths, pending, visible, H, G, T,
-                                               use_simd=False), want)
-        saved = kernels().vector_bits()
-        try:
-            for bits in vector_widths():
-                kernels().set_vector_bits(bits)
-                got = kernels().attention(q, k8, v8, tables, lengths, pending, visible, H, G, T)
-                assert torch.equal(got, want), (bits, B, T, pending, tree)
-        finally:
-            if saved:
-                kernels().set_vector_bits(saved)
+        got = on_every_width(lambda simd: kernels().attention(q, k8, v8, tables, lengths, pending, visible, H, G, T,
+                                                              use_simd=simd))
+        assert torch.equal(got, want), (B, T, pending, tree)
 
 
 def model():
