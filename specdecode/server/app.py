@@ -163,6 +163,9 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
                   "use_speculation": req.use_speculation, "sampler": req.sampler, "logprobs": logprobs,
                   "n": 1 if req.n is None else req.n}
         fields["logit_bias"] = req.token_bias(vocab)
+        if any(not 0 <= token < vocab for token in req.stop_token_ids or []):
+            raise bad_request(f"stop_token_ids must be token ids in [0, {vocab})", "stop_token_ids")
+        fields["stop_token_ids"] = req.stop_token_ids or None
         fields["structured"] = structured
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
@@ -205,7 +208,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
         else:
             ids = tokenize(prompt)
         echo = (prompt if isinstance(prompt, str) else llm.tokenizer.decode(ids)) if req.echo else ""
-        ready = prepared(req, ids, req.max_tokens, req.logprobs, echo)
+        ready = prepared(req, ids, req.token_limit(), req.logprobs, echo)
         if req.suffix:
             ready.params = fim_params(ready.params, fim)
         return ready
@@ -311,8 +314,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
         # A template that writes the BOS token itself must not get a second one from the tokenizer.
         bos = llm.tokenizer.bos_token
         ids = tokenize(text, add_special_tokens=not (bos and text.startswith(bos)))
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        return prepared(req, ids, max_tokens, req.logprob_count(), plan=plan)
+        return prepared(req, ids, req.token_limit(), req.logprob_count(), plan=plan)
 
     def render_chat(req: ChatCompletionRequest) -> tuple[str, tools.ToolPlan | None]:
         """The prompt of a chat request (its chat template's rendering, with tools when offered); with

@@ -108,7 +108,7 @@ def generation_settings(req, params, llm, model_name: str) -> dict:
         "top_k": req.top_k, "top_p": req.top_p, "min_p": req.min_p, "presence_penalty": req.presence_penalty,
         "frequency_penalty": req.frequency_penalty, "stop": stop, "ignore_eos": req.ignore_eos, "stream": req.stream,
         "n_probs": req.probs() or 0, "logit_bias": [{"bias": value, "token": token} for token, value in bias.items()],
-        "grammar": req.grammar or "", "samplers": list(req.samplers) if isinstance(req.samplers, list) else
+        "grammar": req.grammar or "", "samplers": req.sampler_names() if req.samplers is not None else
         [name for name in LLAMA_SAMPLERS if name not in ("typ_p",)], **fixed,
         "dry_sequence_breakers": LLAMA_UNSUPPORTED["dry_sequence_breakers"], "model": model_name,
         "speculative": llm.spec_config.method if llm.proposer is not None else None,

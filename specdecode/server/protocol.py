@@ -1,12 +1,14 @@
-"""OpenAI's request bodies (the fields specdecode honours) and its error format.
+"""OpenAI's request bodies (the fields specdecode honours), llama.cpp's own, and OpenAI's error format.
 
-Bodies are validated strictly (no "0.5" for a number, no NaN) so that nothing malformed reaches the engine;
-fields OpenAI defines that specdecode does not implement are refused with a 400 rather than silently ignored.
+Bodies are validated strictly (no "0.5" for a number, no NaN) so that nothing malformed reaches the engine. Nothing a
+/v1 body holds is silently ignored: a field is implemented, accepted only at its default (other servers' fields that
+clients send anyway: LLAMA_UNSUPPORTED, V1_UNSUPPORTED), accepted as advice OpenAI itself may ignore (user,
+metadata, ...), or refused with a 400 naming it.
 """
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
@@ -73,15 +75,115 @@ MAX_LOGIT_BIAS = 300
 """Most tokens one logit_bias may name (OpenAI's limit)."""
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+LLAMA_UNSUPPORTED = {
+    "mirostat": 0, "mirostat_tau": 5.0, "mirostat_eta": 0.1, "typical_p": 1.0, "xtc_probability": 0.0,
+    "xtc_threshold": 0.1, "dry_multiplier": 0.0, "dry_base": 1.75, "dry_allowed_length": 2, "dry_penalty_last_n": -1,
+    "top_n_sigma": -1.0, "dynatemp_range": 0.0, "dynatemp_exponent": 1.0, "repeat_penalty": 1.0, "repeat_last_n": 64,
+    "penalty_last_n": 64, "min_keep": 0, "n_keep": 0, "n_discard": 0, "post_sampling_probs": False,
+    "return_progress": False, "timings_per_token": False, "id_slot": -1, "lora": [], "grammar_lazy": False,
+    "grammar_triggers": [], "preserved_tokens": [], "n_cmpl": 1, "backend_sampling": False,
+    "dry_sequence_breakers": ["\n", ":", "\"", "*"], "n_cache_reuse": 0, "multimodal_data": None,
+}
+"""llama.cpp's /completion fields specdecode does not implement, with llama.cpp's defaults: a body may send one at
+its default (clients send whole settings objects), anything else is a 400 naming it, on llama.cpp's routes and on
+/v1 alike. cache_prompt, t_max_prompt_ms and samplers are taken as LlamaServerFields says."""
+LLAMA_SAMPLERS = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "typical_p", "top_p", "min_p", "xtc",
+                  "temperature")
+SAMPLER_LETTERS = {"e": "penalties", "d": "dry", "s": "top_n_sigma", "k": "top_k", "y": "typ_p", "p": "top_p",
+                   "m": "min_p", "x": "xtc", "t": "temperature", "i": "infill"}
+"""llama.cpp's letters for its samplers: samplers may be a string of them ("edkypmxt", llama.vscode's chat edit)."""
+
+V1_UNSUPPORTED = {
+    # OpenAI's
+    "prediction": None, "audio": None, "modalities": ["text"], "reasoning_effort": None, "web_search_options": None,
+    "verbosity": "medium",
+    # vLLM's
+    "use_beam_search": False, "length_penalty": 1.0, "min_tokens": 0, "include_stop_str_in_output": False,
+    "skip_special_tokens": True, "spaces_between_special_tokens": True, "prompt_logprobs": None,
+    "allowed_token_ids": None, "bad_words": [], "truncate_prompt_tokens": None, "priority": 0, "echo": False,
+    "chat_template": None, "chat_template_kwargs": {}, "documents": None, "cache_salt": None,
+    # llama-server's, which /completion and /infill implement but a /v1 answer has no place for
+    "n_probs": 0, "return_tokens": False, "n_indent": 0, "t_max_predict_ms": -1, "response_fields": [],
+}
+"""Fields OpenAI, vLLM or llama-server define that the /v1 routes do not implement, with their defaults: accepted at
+the default or null, a 400 naming the field otherwise. Beside LLAMA_UNSUPPORTED's, the only fields a /v1 body may
+hold that its model does not declare (echo: the chat route's, vLLM's; the completions route implements its own)."""
+
+
+def unsupported(field: str, default, whose: str = "its") -> APIError:
+    """The 400 of a field this server takes only at its default."""
+    advice = "leave it out" if default is None else f"leave it out or at {whose} default {json.dumps(default)}"
+    return bad_request(f"{field} is not supported by this server; {advice}", field)
+
+
+class _Body(BaseModel):
+    """A /v1 request body or a part of one: a field its model does not declare is a 400 naming it
+    (refuse_undeclared), but for those of defaults_only at their default or null."""
+
+    model_config = ConfigDict(strict=True, extra="allow", json_schema_extra={"additionalProperties": False})
+    defaults_only: ClassVar[dict[str, Any]] = {}
+    """Other servers' fields this model accepts only at these values, where they change nothing."""
+
+
+def refuse_undeclared(body: _Body, where: str = "") -> None:
+    """A 400 naming the first field of body, or of a part of it, that its model neither declares nor takes at that
+    value (defaults_only); where: the body's place in the request ("messages.2.")."""
+    for name, value in (body.model_extra or {}).items():
+        field = where + name
+        if name not in body.defaults_only:
+            raise bad_request(f"{field} is not a field this server knows; leave it out (docs/serving.md lists the "
+                              "fields /v1 takes)", field)
+        if value is not None and value != body.defaults_only[name]:
+            raise unsupported(field, body.defaults_only[name], "llama.cpp's" if name in LLAMA_UNSUPPORTED else "its")
+    for name in type(body).model_fields:
+        value = getattr(body, name)
+        parts = enumerate(value) if isinstance(value, list) else [(None, value)]
+        for i, part in parts:
+            if isinstance(part, _Body):
+                refuse_undeclared(part, f"{where}{name}." + ("" if i is None else f"{i}."))
+
+
+class LlamaServerFields(BaseModel):
+    """llama-server's fields that its clients send to /v1 as well as to its own routes, taken alike by both."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    cache_prompt: bool = True
+    """Accepted either way: whether a prompt's beginning comes from the prefix cache never changes an answer here."""
+    t_max_prompt_ms: Int | None = None
+    """Accepted, no effect (llama-server does not implement it either; llama.vscode sends it)."""
+    samplers: list[str] | str | None = None
+    """llama.cpp's sampler chain, as names or letters (SAMPLER_LETTERS): accepted when it holds implemented samplers
+    in llama.cpp's default order, and llama.vscode's "infill" (not applied: docs/serving.md)."""
+
+    def sampler_names(self) -> list[str] | None:
+        """samplers as names (letters spelled out); None when absent."""
+        if isinstance(self.samplers, str):
+            return [SAMPLER_LETTERS.get(letter, letter) for letter in self.samplers]
+        return self.samplers
+
+    def check_samplers(self) -> None:
+        names = [name for name in self.sampler_names() or [] if name != "infill"]
+        if any(name not in LLAMA_SAMPLERS for name in names) or names != sorted(names, key=LLAMA_SAMPLERS.index):
+            raise bad_request("samplers must list llama.cpp's samplers in its default order (penalties, dry, "
+                              "top_n_sigma, top_k, typ_p, top_p, min_p, xtc, temperature); others are not "
+                              "supported", "samplers")
+
+
+class StreamOptions(_Body):
+    defaults_only: ClassVar[dict[str, Any]] = {"continuous_usage_stats": False}  # vLLM's: usage in every chunk
     include_usage: bool = False
+    include_obfuscation: bool | None = None
+    """OpenAI's random padding of stream chunks against length side channels: accepted, never added here."""
 
 
-class _Request(BaseModel):
+class _Request(_Body, LlamaServerFields):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")  # null is accepted wherever OpenAI's default applies
+    model_config = ConfigDict(strict=True, extra="allow", json_schema_extra={"additionalProperties": False})
+    defaults_only: ClassVar[dict[str, Any]] = {**LLAMA_UNSUPPORTED, **V1_UNSUPPORTED}
+    limit_fields: ClassVar[tuple[str, ...]] = ("max_tokens",)
+    """The route's fields for the most tokens to generate (the first that is not null counts)."""
+    # null is accepted wherever OpenAI's default applies
     model: str | None = None
     temperature: float | None = Field(None, allow_inf_nan=False)
     top_p: float | None = Field(None, allow_inf_nan=False)
@@ -96,7 +198,10 @@ class _Request(BaseModel):
     presence_penalty: float | None = Field(None, allow_inf_nan=False)
     frequency_penalty: float | None = Field(None, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    n_predict: Limit = None
+    """llama-server's name for max_tokens (-1: until the end); beside max_tokens only at the same value."""
+    stop_token_ids: list[Int] | None = None
+    """vLLM's extension: tokens that end the answer as the end-of-sequence token does (SamplingParams')."""
     ignore_eos: bool = False
     """specdecode extension: keep generating after an end-of-sequence token."""
     use_speculation: bool = True
@@ -104,8 +209,6 @@ class _Request(BaseModel):
     sampler: Literal["auto", "race", "rejection"] = "auto"
     """specdecode extension: SamplingParams.sampler (auto: the exponential race when seeded, so a seed gives one
     text with or without speculation)."""
-    # Fields OpenAI (or vLLM, which clients also target) defines that specdecode does not implement yet: each is
-    # refused with a 400 naming it when it asks for anything but the default, never silently ignored.
     repetition_penalty: float | None = Field(None, allow_inf_nan=False)
     """vLLM's extension: SamplingParams.repetition_penalty."""
     response_format: Any = None
@@ -114,11 +217,23 @@ class _Request(BaseModel):
     guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
-    prediction: Any = None
-    modalities: Any = None
-    audio: Any = None
-    reasoning_effort: Any = None
-    web_search_options: Any = None
+    grammar: str | None = None
+    """llama-server's: a GBNF grammar the answer follows."""
+    json_schema: dict[str, Any] | None = None
+    """llama-server's: a JSON schema the answer follows."""
+    # OpenAI's advice about a request, which changes no answer: accepted, no effect here (docs/serving.md).
+    user: str | None = None
+    """OpenAI's id of the end user (for its abuse monitoring)."""
+    safety_identifier: str | None = None
+    """OpenAI's successor of user."""
+    metadata: dict[str, Any] | None = None
+    """OpenAI's tags of a stored completion (nothing is stored here)."""
+    store: bool | None = None
+    """OpenAI's: keep the completion for its dashboard (nothing is stored here)."""
+    service_tier: str | None = None
+    """OpenAI's processing tier ("auto", "default", "flex", "priority"): every request is served alike here."""
+    prompt_cache_key: str | None = None
+    """OpenAI's hint for routing to its prompt cache (the prefix cache here finds shared beginnings itself)."""
 
     def structured(self) -> tuple[str | None, dict | None]:
         """(field, SamplingParams.structured) from response_format (OpenAI) or vLLM's guided_* /
@@ -151,11 +266,11 @@ class _Request(BaseModel):
                     except json.JSONDecodeError:
                         raise bad_request(f"{name} must be a JSON schema", name) from None
                 found.append((name, {kind: value}))
-        grammar, schema = getattr(self, "grammar", None), getattr(self, "json_schema", None)  # llama-server's fields
-        if grammar:
-            found.append(("grammar", gbnf_grammar(grammar, "grammar")))
-        if schema is not None:
-            found.append(("json_schema", {"json_schema": schema} if schema else {"json_object": True}))
+        if self.grammar:
+            found.append(("grammar", gbnf_grammar(self.grammar, "grammar")))
+        if self.json_schema is not None:
+            found.append(("json_schema", {"json_schema": self.json_schema} if self.json_schema
+                          else {"json_object": True}))
         if self.structured_outputs is not None:
             so = self.structured_outputs
             keys = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
@@ -167,14 +282,25 @@ class _Request(BaseModel):
         return the_one_structured(found)
 
     def check_supported(self) -> None:
-        unsupported = {"modalities": self.modalities not in (None, ["text"])}
-        for name in ("prediction", "audio", "reasoning_effort", "web_search_options"):
-            unsupported[name] = getattr(self, name) is not None
-        for name, refused in unsupported.items():
-            if refused:
-                raise bad_request(f"{name} is not supported by this server yet; leave it out", name)
+        refuse_undeclared(self)
+        self.check_samplers()
+        if self.n_predict is not None and self.n_predict < 1:
+            raise bad_request("n_predict must be -1 (until an end token) or a positive number of tokens", "n_predict")
+        self.token_limit()
         if self.logit_bias and len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise bad_request(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens", "logit_bias")
+
+    def token_limit(self) -> int | None:
+        """The most tokens to generate (None: until the end): llama-server's n_predict when the body gives it, else
+        the first of limit_fields that is not null, else the last one's default. n_predict beside one of them at
+        another value is a 400."""
+        names = self.limit_fields
+        if "n_predict" not in self.model_fields_set:
+            return next((getattr(self, n) for n in names if getattr(self, n) is not None), getattr(self, names[-1]))
+        for name in names:
+            if name in self.model_fields_set and getattr(self, name) not in (None, self.n_predict):
+                raise bad_request(f"n_predict and {name} ask for different lengths; send one of them", "n_predict")
+        return self.n_predict
 
     def token_bias(self, vocab: int) -> dict[int, float] | None:
         """logit_bias with its keys as token ids; a key that is not a token id of this model is a 400 (the values'
@@ -229,24 +355,6 @@ class ExtraFile(BaseModel):
     """llama.cpp's default name."""
 
 
-LLAMA_UNSUPPORTED = {
-    "mirostat": 0, "mirostat_tau": 5.0, "mirostat_eta": 0.1, "typical_p": 1.0, "xtc_probability": 0.0,
-    "xtc_threshold": 0.1, "dry_multiplier": 0.0, "dry_base": 1.75, "dry_allowed_length": 2, "dry_penalty_last_n": -1,
-    "top_n_sigma": -1.0, "dynatemp_range": 0.0, "dynatemp_exponent": 1.0, "repeat_penalty": 1.0, "repeat_last_n": 64,
-    "penalty_last_n": 64, "min_keep": 0, "n_keep": 0, "n_discard": 0, "post_sampling_probs": False,
-    "return_progress": False, "timings_per_token": False, "id_slot": -1, "lora": [], "grammar_lazy": False,
-    "grammar_triggers": [], "preserved_tokens": [], "n_cmpl": 1, "backend_sampling": False,
-    "dry_sequence_breakers": ["\n", ":", "\"", "*"], "n_cache_reuse": 0, "multimodal_data": None,
-}
-"""llama.cpp's /completion fields specdecode does not implement, with llama.cpp's defaults: a body may send one at
-its default (clients send whole settings objects), anything else is a 400 naming it. cache_prompt is accepted
-(whether a prompt's beginning comes from the cache never changes an answer here), t_max_prompt_ms too (llama-server
-does not implement it either: llama.vscode sends it), and samplers when it holds the ones implemented, in llama.cpp's
-default order, and "infill" (llama.vscode's, accepted but not applied: docs/serving.md)."""
-LLAMA_SAMPLERS = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "typical_p", "top_p", "min_p", "xtc",
-                  "temperature")
-
-
 def _llama_prompt(value):
     """{"prompt_string": ...} (llama.cpp's multimodal prompt object, without media) -> its text."""
     if isinstance(value, dict):
@@ -260,7 +368,7 @@ def _llama_prompt(value):
     return value
 
 
-class LlamaCompletionRequest(BaseModel):
+class LlamaCompletionRequest(LlamaServerFields):
     """llama.cpp's server's own /completion body (what its clients send, Continue's llama.cpp provider among them):
     the fields specdecode honours, with llama.cpp's defaults; LLAMA_UNSUPPORTED's only at their defaults. Fields
     llama.cpp does not define are ignored, as llama.cpp ignores them."""
@@ -306,8 +414,6 @@ class LlamaCompletionRequest(BaseModel):
     """A JSON schema the answer follows."""
     response_format: Any = None
     """OpenAI's form of the same: {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": ...}}."""
-    cache_prompt: bool = True
-    samplers: list[str] | str | None = None
 
     def structured(self) -> tuple[str | None, dict | None]:
         """(field, SamplingParams.structured) from grammar, json_schema or response_format: at most one of them."""
@@ -369,20 +475,9 @@ class LlamaCompletionRequest(BaseModel):
 
     def check_unsupported(self) -> None:
         for name, value in (self.model_extra or {}).items():
-            if name in LLAMA_UNSUPPORTED and value != LLAMA_UNSUPPORTED[name] and not (
-                    isinstance(value, (int, float)) and not isinstance(value, bool)
-                    and isinstance(LLAMA_UNSUPPORTED[name], (int, float)) and float(value) == LLAMA_UNSUPPORTED[name]):
-                raise bad_request(f"{name} is not supported by this server; leave it out or at llama.cpp's default "
-                                  f"{json.dumps(LLAMA_UNSUPPORTED[name])}", name)
-        samplers = self.samplers
-        if samplers is not None:
-            names = samplers if isinstance(samplers, list) else []
-            names = [n for n in names if n != "infill"]
-            if not isinstance(samplers, list) or any(n not in LLAMA_SAMPLERS for n in names) or \
-                    names != sorted(names, key=LLAMA_SAMPLERS.index):
-                raise bad_request("samplers must list llama.cpp's samplers in its default order (penalties, dry, "
-                                  "top_n_sigma, top_k, typ_p, top_p, min_p, xtc, temperature); others are not "
-                                  "supported", "samplers")
+            if name in LLAMA_UNSUPPORTED and value != LLAMA_UNSUPPORTED[name]:
+                raise unsupported(name, LLAMA_UNSUPPORTED[name], "llama.cpp's")
+        self.check_samplers()
 
     def tokens_asked(self) -> int | None:
         """n_predict (else max_tokens); None for "until the end" (-1 or absent)."""
@@ -415,8 +510,7 @@ class InfillRequest(LlamaCompletionRequest):
     prompt: str = ""
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class TextPart(_Body):
     type: Literal["text"]
     text: str
 
@@ -425,8 +519,7 @@ FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
 """What OpenAI allows as a function's name (it is also written unescaped into tool-call grammars)."""
 
 
-class FunctionDefinition(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class FunctionDefinition(_Body):
     name: str = Field(pattern=FUNCTION_NAME)
     description: str | None = None
     parameters: dict[str, Any] | None = None
@@ -436,32 +529,34 @@ class FunctionDefinition(BaseModel):
     "required" or a named function); with "auto" the model writes them freely, as in vLLM."""
 
 
-class Tool(BaseModel):
+class Tool(_Body):
     """One entry of a chat request's `tools`."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class FunctionCall(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class FunctionCall(_Body):
     name: str
     arguments: str
     """The arguments as a JSON string, as OpenAI sends them back."""
 
 
-class MessageToolCall(BaseModel):
+class MessageToolCall(_Body):
     """A call an earlier assistant message made (so that the template can show it to the model)."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
     id: str | None = None
     type: Literal["function"] = "function"
     function: FunctionCall
+    index: Int | None = None
+    """A streamed call's place in its message (clients that rebuild calls from the deltas send it back): no effect,
+    the list's order is the calls' order."""
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class ChatMessage(_Body):
+    defaults_only: ClassVar[dict[str, Any]] = {"refusal": None, "audio": None, "function_call": None,
+                                               "annotations": []}
+    """OpenAI's fields of an answer's message (a client may send the message back as it came), empty."""
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -498,6 +593,7 @@ def _json_or_text(text: str):
 
 
 class ChatCompletionRequest(_Request):
+    limit_fields: ClassVar[tuple[str, ...]] = ("max_completion_tokens", "max_tokens")
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Limit = None
     max_completion_tokens: Limit = None
@@ -510,10 +606,6 @@ class ChatCompletionRequest(_Request):
     """OpenAI's (default true): whether the model may call several functions in one answer."""
     functions: Any = None
     function_call: Any = None
-    grammar: str | None = None
-    """llama-server's: a GBNF grammar the answer follows."""
-    json_schema: dict[str, Any] | None = None
-    """llama-server's: a JSON schema the answer follows."""
     add_generation_prompt: bool | None = None
     """Open an assistant turn after the messages (default true)."""
     continue_final_message: bool = False

@@ -9,8 +9,8 @@ from pydantic import BaseModel
 
 from specdecode.server.limits import ServerLimits
 from specdecode.sampling import MAX_LOGPROBS, MAX_N
-from specdecode.server.protocol import (FUNCTION_NAME, MAX_LOGIT_BIAS, ChatCompletionRequest, CompletionRequest,
-                                        InfillRequest, LlamaCompletionRequest)
+from specdecode.server.protocol import (FUNCTION_NAME, LLAMA_SAMPLERS, MAX_LOGIT_BIAS, ChatCompletionRequest,
+                                        CompletionRequest, InfillRequest, LlamaCompletionRequest)
 
 REF = "#/components/schemas/{model}"
 
@@ -201,6 +201,10 @@ def accepted_fields(model_name: str, vocab: int, context: int, limits: ServerLim
                                  "propertyNames": {"pattern": "^[0-9]+$"},
                                  "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}}),
         "max_tokens": _nullable(tokens),
+        "n_predict": _nullable(tokens),
+        "stop_token_ids": _nullable({"type": "array", "items": {"type": "integer", "minimum": 0,
+                                                                 "maximum": vocab - 1}}),
+        "samplers": _nullable({"enum": [list(LLAMA_SAMPLERS)]}),
     }
     completion = {
         "prompt": {"anyOf": [text, ids, {"type": "array", "items": text, "minItems": 1, "maxItems": 1},
