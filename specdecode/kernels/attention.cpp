@@ -179,22 +179,22 @@ inline float sum16_avx2(__m256 lo, __m256 hi) {
   return _mm_cvtss_f32(_mm_add_ss(e, _mm_movehdup_ps(e)));
 }
 
-// 256-bit: RB rows at a time (4, 2, 1: no row computed twice), 16 positions as two vectors each (up to 8
-// independent FMA chains).
+// 256-bit: RB rows at a time (6, 4, 3, 2, 1: no row computed twice), 16 positions as two vectors each (up to 12
+// independent FMA chains: a kv group's 6 query heads of one token fill the 16 registers with its two keys and q).
 template <int RB, typename E>
 void scores_avx2_rows(const float* const* q, const Tile<E>& t, int64_t hd, float* s) {
   __m256 a[RB][2];
-  for (int i = 0; i < RB; ++i) a[i][0] = a[i][1] = _mm256_setzero_ps();
+  UNROLL for (int i = 0; i < RB; ++i) a[i][0] = a[i][1] = _mm256_setzero_ps();
   for (int64_t d = 0; d < hd; ++d) {
     const E* k = t.k + d * t.k_stride;
     const __m256 k0 = load8(k), k1 = load8(k + 8);
-    for (int i = 0; i < RB; ++i) {
+    UNROLL for (int i = 0; i < RB; ++i) {
       const __m256 qd = _mm256_broadcast_ss(q[i] + d);
       a[i][0] = _mm256_fmadd_ps(qd, k0, a[i][0]);
       a[i][1] = _mm256_fmadd_ps(qd, k1, a[i][1]);
     }
   }
-  for (int i = 0; i < RB; ++i) {
+  UNROLL for (int i = 0; i < RB; ++i) {
     _mm256_storeu_ps(s + i * TILE, a[i][0]);
     _mm256_storeu_ps(s + i * TILE + 8, a[i][1]);
   }
@@ -203,19 +203,21 @@ void scores_avx2_rows(const float* const* q, const Tile<E>& t, int64_t hd, float
 template <typename E>
 void scores_avx2(const float* const* q, int64_t rows, const Tile<E>& t, int64_t hd, float* s) {
   int64_t r = 0;
-  for (; r + 4 <= rows; r += 4) scores_avx2_rows<4>(q + r, t, hd, s + r * TILE);
+  for (; r + 6 <= rows; r += 6) scores_avx2_rows<6>(q + r, t, hd, s + r * TILE);
+  if (r + 4 <= rows) scores_avx2_rows<4>(q + r, t, hd, s + r * TILE), r += 4;
+  if (r + 3 <= rows) scores_avx2_rows<3>(q + r, t, hd, s + r * TILE), r += 3;
   if (r + 2 <= rows) scores_avx2_rows<2>(q + r, t, hd, s + r * TILE), r += 2;
   if (r < rows) scores_avx2_rows<1>(q + r, t, hd, s + r * TILE);
 }
 
-// RB rows (4, 2, 1: a compile-time count, so the accumulators stay in registers) x 16 values of d at a time: up to
-// 8 independent FMA chains, each over j in order.
+// RB rows (6, 4, 3, 2, 1: a compile-time count, so the accumulators stay in registers) x 16 values of d at a time:
+// up to 12 independent FMA chains, each over j in order.
 template <int RB, typename E>
 void values_avx2_rows(float* const* acc, const float* alpha, const float* p, const Tile<E>& t, int64_t hd) {
   for (int64_t d = 0; d < hd; d += 16) {
     const bool two = d + 16 <= hd;  // hd % 8 == 0: the last step may be one vector
     __m256 a[RB][2];
-    for (int i = 0; i < RB; ++i) {
+    UNROLL for (int i = 0; i < RB; ++i) {
       const __m256 scale = _mm256_set1_ps(alpha[i]);
       a[i][0] = _mm256_mul_ps(_mm256_loadu_ps(acc[i] + d), scale);
       a[i][1] = two ? _mm256_mul_ps(_mm256_loadu_ps(acc[i] + d + 8), scale) : _mm256_setzero_ps();
@@ -223,13 +225,13 @@ void values_avx2_rows(float* const* acc, const float* alpha, const float* p, con
     for (int64_t j = 0; j < t.n; ++j) {
       const E* v = t.v + j * hd + d;
       const __m256 v0 = load8(v), v1 = two ? load8(v + 8) : _mm256_setzero_ps();
-      for (int i = 0; i < RB; ++i) {
+      UNROLL for (int i = 0; i < RB; ++i) {
         const __m256 pj = _mm256_broadcast_ss(p + i * TILE + j);
         a[i][0] = _mm256_fmadd_ps(pj, v0, a[i][0]);
         a[i][1] = _mm256_fmadd_ps(pj, v1, a[i][1]);
       }
     }
-    for (int i = 0; i < RB; ++i) {
+    UNROLL for (int i = 0; i < RB; ++i) {
       _mm256_storeu_ps(acc[i] + d, a[i][0]);
       if (two) _mm256_storeu_ps(acc[i] + d + 8, a[i][1]);
     }
@@ -239,7 +241,9 @@ void values_avx2_rows(float* const* acc, const float* alpha, const float* p, con
 template <typename E>
 void values_avx2(float* const* acc, const float* alpha, const float* p, int64_t rows, const Tile<E>& t, int64_t hd) {
   int64_t r = 0;
-  for (; r + 4 <= rows; r += 4) values_avx2_rows<4>(acc + r, alpha + r, p + r * TILE, t, hd);
+  for (; r + 6 <= rows; r += 6) values_avx2_rows<6>(acc + r, alpha + r, p + r * TILE, t, hd);
+  if (r + 4 <= rows) values_avx2_rows<4>(acc + r, alpha + r, p + r * TILE, t, hd), r += 4;
+  if (r + 3 <= rows) values_avx2_rows<3>(acc + r, alpha + r, p + r * TILE, t, hd), r += 3;
   if (r + 2 <= rows) values_avx2_rows<2>(acc + r, alpha + r, p + r * TILE, t, hd), r += 2;
   if (r < rows) values_avx2_rows<1>(acc + r, alpha + r, p + r * TILE, t, hd);
 }
@@ -247,34 +251,36 @@ void values_avx2(float* const* acc, const float* alpha, const float* p, int64_t 
 
 #if defined(__AVX512F__)
 
-// 512-bit: RB rows at a time (8, 4, 2, 1: no row computed twice), one vector of 16 positions each.
+// 512-bit: RB rows at a time (12, 8, 6, 4, 2, 1: no row computed twice), one vector of 16 positions each.
 template <int RB, typename E>
 void scores_avx512_rows(const float* const* q, const Tile<E>& t, int64_t hd, float* s) {
   __m512 a[RB];
-  for (int i = 0; i < RB; ++i) a[i] = _mm512_setzero_ps();
+  UNROLL for (int i = 0; i < RB; ++i) a[i] = _mm512_setzero_ps();
   for (int64_t d = 0; d < hd; ++d) {
     const __m512 k = load16(t.k + d * t.k_stride);
-    for (int i = 0; i < RB; ++i) a[i] = _mm512_fmadd_ps(_mm512_set1_ps(q[i][d]), k, a[i]);
+    UNROLL for (int i = 0; i < RB; ++i) a[i] = _mm512_fmadd_ps(_mm512_set1_ps(q[i][d]), k, a[i]);
   }
-  for (int i = 0; i < RB; ++i) _mm512_storeu_ps(s + i * TILE, a[i]);
+  UNROLL for (int i = 0; i < RB; ++i) _mm512_storeu_ps(s + i * TILE, a[i]);
 }
 
 template <typename E>
 void scores_avx512(const float* const* q, int64_t rows, const Tile<E>& t, int64_t hd, float* s) {
   int64_t r = 0;
-  for (; r + 8 <= rows; r += 8) scores_avx512_rows<8>(q + r, t, hd, s + r * TILE);
+  for (; r + 12 <= rows; r += 12) scores_avx512_rows<12>(q + r, t, hd, s + r * TILE);
+  if (r + 8 <= rows) scores_avx512_rows<8>(q + r, t, hd, s + r * TILE), r += 8;
+  if (r + 6 <= rows) scores_avx512_rows<6>(q + r, t, hd, s + r * TILE), r += 6;
   if (r + 4 <= rows) scores_avx512_rows<4>(q + r, t, hd, s + r * TILE), r += 4;
   if (r + 2 <= rows) scores_avx512_rows<2>(q + r, t, hd, s + r * TILE), r += 2;
   if (r < rows) scores_avx512_rows<1>(q + r, t, hd, s + r * TILE);
 }
 
-// RB rows x 32 values of d at a time: up to 8 independent FMA chains.
+// RB rows x 32 values of d at a time: up to 12 independent FMA chains.
 template <int RB, typename E>
 void values_avx512_rows(float* const* acc, const float* alpha, const float* p, const Tile<E>& t, int64_t hd) {
   for (int64_t d = 0; d < hd; d += 32) {
     const bool two = d + 32 <= hd;  // hd % 16 == 0: the last step may be one vector
     __m512 a[RB][2];
-    for (int i = 0; i < RB; ++i) {
+    UNROLL for (int i = 0; i < RB; ++i) {
       const __m512 scale = _mm512_set1_ps(alpha[i]);
       a[i][0] = _mm512_mul_ps(_mm512_loadu_ps(acc[i] + d), scale);
       a[i][1] = two ? _mm512_mul_ps(_mm512_loadu_ps(acc[i] + d + 16), scale) : _mm512_setzero_ps();
@@ -282,13 +288,13 @@ void values_avx512_rows(float* const* acc, const float* alpha, const float* p, c
     for (int64_t j = 0; j < t.n; ++j) {
       const E* v = t.v + j * hd + d;
       const __m512 v0 = load16(v), v1 = two ? load16(v + 16) : _mm512_setzero_ps();
-      for (int i = 0; i < RB; ++i) {
+      UNROLL for (int i = 0; i < RB; ++i) {
         const __m512 pj = _mm512_set1_ps(p[i * TILE + j]);
         a[i][0] = _mm512_fmadd_ps(pj, v0, a[i][0]);
         a[i][1] = _mm512_fmadd_ps(pj, v1, a[i][1]);
       }
     }
-    for (int i = 0; i < RB; ++i) {
+    UNROLL for (int i = 0; i < RB; ++i) {
       _mm512_storeu_ps(acc[i] + d, a[i][0]);
       if (two) _mm512_storeu_ps(acc[i] + d + 16, a[i][1]);
     }
@@ -299,7 +305,8 @@ template <typename E>
 void values_avx512(float* const* acc, const float* alpha, const float* p, int64_t rows, const Tile<E>& t,
                    int64_t hd) {
   int64_t r = 0;
-  for (; r + 4 <= rows; r += 4) values_avx512_rows<4>(acc + r, alpha + r, p + r * TILE, t, hd);
+  for (; r + 6 <= rows; r += 6) values_avx512_rows<6>(acc + r, alpha + r, p + r * TILE, t, hd);
+  if (r + 4 <= rows) values_avx512_rows<4>(acc + r, alpha + r, p + r * TILE, t, hd), r += 4;
   if (r + 2 <= rows) values_avx512_rows<2>(acc + r, alpha + r, p + r * TILE, t, hd), r += 2;
   if (r < rows) values_avx512_rows<1>(acc + r, alpha + r, p + r * TILE, t, hd);
 }

@@ -213,7 +213,6 @@ void check_weight(const torch::Tensor& weight, int64_t format, int64_t in_featur
               " with ", in_features, " inputs needs ", bytes);
 }
 
-#define UNROLL _Pragma("GCC unroll 16")  // constant-bound loops over tiles: their accumulators stay in registers
 
 // ---- the packed layout: 16 weight rows interleaved, one row per int32 lane ----
 //

@@ -5,6 +5,9 @@
 #include <algorithm>
 #include <cmath>
 
+// Before a constant-bound loop over a block of rows or tiles: unrolled, its accumulators stay in registers.
+#define UNROLL _Pragma("GCC unroll 16")
+
 // rows [N, bytes] of GGUF blocks -> the packed matrix (8 rows interleaved) that the products read (see quant.cpp).
 torch::Tensor pack(const torch::Tensor& weight, int64_t format, int64_t in_features);
 
