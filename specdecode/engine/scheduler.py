@@ -63,11 +63,14 @@ the 1.5B prefilled 1,024 tokens at 66-70 tok/s in chunks of 64-256 and at 63-64 
 a chunk's attention reads the cache in place, and its smaller activations stay in cache)."""
 MIN_CHUNK = 4
 FIRST_CHUNK = 8
+STEP_BUDGET_SECONDS = 0.5
 CHUNK_STEP_FRACTION = 0.8
-"""Prompt tokens of a first chunk; later ones are sized from the last chunk's speed to last this fraction of the
-step before them, so the running sequences' time between tokens stays under twice what it is without the long
-prompt (on a CPU a prefilled token costs about a fifth of a one-token step: chunks are a few tokens, and the long
-prompt's own first token comes later than in one piece, the price of not stalling everyone else)."""
+"""While others decode, a long prompt's chunks (the first of FIRST_CHUNK tokens, later ones sized from the last
+chunk's speed) fill what the running sequences' step leaves of STEP_BUDGET_SECONDS, and at least this fraction of
+the step: every stream's next token comes within about the budget (or under twice its step, when the step alone
+takes longer), and the long prompt gets the rest of the machine in chunks large enough that reading the weights
+once per chunk costs little. With chunks of 0.8 of a step instead, a 4k-token prompt beside six decoding streams
+waited 2.6x its prefill alone (docs/bench/mix_2026-12-07)."""
 
 
 class Scheduler:
@@ -268,24 +271,25 @@ class Scheduler:
         return []
 
     def _prefill_chunk(self, deltas: dict[str, str], step_seconds: float | None):
-        """The next chunk of the first long prompt: a little shorter than the step that just ran (so the running
-        sequences' time between tokens less than doubles while it lasts), or about LONE_CHUNK_SECONDS long when
-        nothing else runs. The last chunk draws the first token and the sequence joins the running ones. Returns
-        (joined, failed)."""
-        seq = self.prefilling[0]
+        """The next chunk of the long prompt with the fewest tokens left (a short one that had to be chunked does
+        not wait out a file-sized one): what the step that just ran leaves of STEP_BUDGET_SECONDS (at least
+        CHUNK_STEP_FRACTION of it), or about LONE_CHUNK_SECONDS when nothing else runs. The last chunk draws the
+        first token and the sequence joins the running ones. Returns (joined, failed)."""
+        seq = min(self.prefilling, key=lambda s: len(s.token_ids) - s.prefilled)
         left = len(seq.token_ids) - seq.prefilled
         if step_seconds is None or not self.running:
             tokens = max(MIN_CHUNK, min(int(self.chunk_rate * LONE_CHUNK_SECONDS), MAX_PREFILL_TOKENS)) \
                 if self.chunk_rate else LONE_FIRST_CHUNK
         else:
-            budget = CHUNK_STEP_FRACTION * step_seconds
+            budget = max(CHUNK_STEP_FRACTION * step_seconds, STEP_BUDGET_SECONDS - step_seconds)
             tokens = max(MIN_CHUNK, min(int(self.chunk_rate * budget), MAX_PREFILL_TOKENS)) if self.chunk_rate \
                 else FIRST_CHUNK
         if not self.runner.chunk_fits(seq, min(tokens, left) + (self.runner.tree_room + 1 if tokens >= left else 0)):
             if self.running:
                 return [], []  # the pool is short: the running sequences free blocks as they finish
-            if len(self.prefilling) > 1:
-                self._preempt(self.prefilling[-1])
+            others = [s for s in self.prefilling if s is not seq]
+            if others:
+                self._preempt(others[-1])
         try:
             if tokens >= left:
                 self.prefilling.remove(seq)

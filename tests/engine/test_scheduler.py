@@ -311,3 +311,55 @@ def test_a_long_prompt_alone_goes_in_chunks_that_an_abort_or_a_newcomer_does_not
     while scheduler.has_work:
         scheduler.step()
     assert_no_leak(llm)
+
+
+def _prefill_chunks_beside_a_stream(llm, prompts, params):
+    """A short stream decoding, then the long prompts: their chunks while it runs, and the order they join in."""
+    llm.runner.ensure_capacity(llm.max_num_seqs, llm.max_model_len, llm.tree_size)
+    scheduler = llm.make_scheduler(llm.max_num_seqs, False)
+    stream = llm.make_sequence(QUESTIONS[1], SamplingParams(temperature=0, max_tokens=400, ignore_eos=True), "stream")
+    scheduler.add(stream)
+    scheduler.step()
+    for i, (prompt, sp) in enumerate(zip(prompts, params)):
+        scheduler.add(llm.make_sequence(prompt, sp, f"long{i}"))
+    chunks, joined = 0, []
+    while scheduler.has_work:
+        out = scheduler.step()
+        chunks += bool(scheduler.prefilling)
+        joined += [s.request_id for s in out.prefilled if s.request_id != "stream"]
+        assert scheduler.slot_problem() is None and llm.runner.cache.leak() is None
+        if len(joined) == len(prompts):
+            break
+    assert not stream.finished  # every chunk was taken beside the running stream
+    for request_id in joined:
+        scheduler.abort(request_id)
+    scheduler.abort("stream")
+    assert_no_leak(llm)
+    return chunks, joined
+
+
+def test_beside_running_streams_a_long_prompt_takes_what_the_step_leaves_of_the_budget(tiny_models, monkeypatch):
+    """While others decode, a chunk is sized to fill STEP_BUDGET_SECONDS less the step (at least CHUNK_STEP_FRACTION
+    of the step): with a budget far above the step the prompt goes in a first chunk and one more; with none, in
+    chunks of a fraction of a step, many of them."""
+    prompt = SYSTEM + SYSTEM[:len(SYSTEM) // 2] + QUESTIONS[0]
+    params = [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)]
+    assert len(engine(tiny_models, None).tokenizer.encode(prompt)) > 1.5 * scheduler_module.CHUNKED_PREFILL_ABOVE
+    monkeypatch.setattr(scheduler_module, "STEP_BUDGET_SECONDS", 30.0)
+    wide, _ = _prefill_chunks_beside_a_stream(engine(tiny_models, None, max_num_seqs=2), [prompt], params)
+    monkeypatch.setattr(scheduler_module, "STEP_BUDGET_SECONDS", 0.0)
+    narrow, _ = _prefill_chunks_beside_a_stream(engine(tiny_models, None, max_num_seqs=2), [prompt], params)
+    assert wide <= 2 < narrow, (wide, narrow)
+
+
+def test_the_chunked_prompt_with_the_fewest_tokens_left_goes_first(tiny_models, monkeypatch):
+    """Two prompts long enough to be chunked arrive while a stream decodes, the longer first: the shorter one's
+    chunks go first, so it does not wait out the file-sized one's whole prefill."""
+    monkeypatch.setattr(scheduler_module, "STEP_BUDGET_SECONDS", 0.0)  # small chunks: many steps to tell the order
+    longer, shorter = SYSTEM + SYSTEM[:len(SYSTEM) // 2] + QUESTIONS[0], SYSTEM + QUESTIONS[2]
+    params = [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)] * 2
+    llm = engine(tiny_models, None, max_num_seqs=3, enable_prefix_caching=False)
+    sizes = [len(llm.tokenizer.encode(p)) for p in (longer, shorter)]
+    assert sizes[0] > sizes[1] + 100 and sizes[1] > scheduler_module.CHUNKED_PREFILL_ABOVE
+    _, joined = _prefill_chunks_beside_a_stream(llm, [longer, shorter], params)
+    assert joined == ["long1", "long0"]
