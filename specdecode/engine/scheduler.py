@@ -2,8 +2,9 @@
 blocks its tokens fill) while it runs.
 
 Both the offline `LLM.generate` loop and the server's background engine drive this one scheduler; an iteration
-either prefills the sequences that just got a row or runs one speculative step for every running sequence, and
-then one chunk of a long prompt that arrived while others were decoding (chunked prefill). A joining sequence
+either prefills the sequences that just got a row or runs one speculative step for every running sequence, with the
+next chunk of a long prompt that arrived while others were decoding riding in the step's target pass (chunked
+prefill). A joining sequence
 reuses the keys and values the cache holds of its prompt's beginning and prefills only the rest
 (engine/prefix_cache.py).
 
@@ -65,12 +66,13 @@ MIN_CHUNK = 4
 FIRST_CHUNK = 8
 STEP_BUDGET_SECONDS = 0.5
 CHUNK_STEP_FRACTION = 0.8
-"""While others decode, a long prompt's chunks (the first of FIRST_CHUNK tokens, later ones sized from the last
-chunk's speed) fill what the running sequences' step leaves of STEP_BUDGET_SECONDS, and at least this fraction of
-the step: every stream's next token comes within about the budget (or under twice its step, when the step alone
-takes longer), and the long prompt gets the rest of the machine in chunks large enough that reading the weights
-once per chunk costs little. With chunks of 0.8 of a step instead, a 4k-token prompt beside six decoding streams
-waited 2.6x its prefill alone (docs/bench/mix_2026-12-07)."""
+"""While others decode, a long prompt's chunks ride in their steps' target pass (each layer's weights read once for
+both; runner.rides_chunks): the first of FIRST_CHUNK tokens, later ones scaled from the last step's time so that a
+step lasts STEP_BUDGET_SECONDS, or 1 + CHUNK_STEP_FRACTION times a step without a chunk where that is longer. Every
+stream's next token comes within about the budget, and the long prompt has the rest of it. Where a chunk cannot ride
+(a proposer that reads the target's features), it runs after the step, sized from its own speed to fill what the
+step left of the budget (at least CHUNK_STEP_FRACTION of the step). With chunks of 0.8 of a step run apart, a
+4k-token prompt beside six decoding streams waited 2.6x its prefill alone (docs/bench/mix_2026-12-07)."""
 
 
 class Scheduler:
@@ -93,6 +95,8 @@ class Scheduler:
         self.prefilling: list[Sequence] = []
         """Long prompts holding a slot, prefilled a chunk per iteration between the running sequences' steps."""
         self.chunk_rate: float | None = None  # prompt tokens per second of the last chunk
+        self.ride_tokens = FIRST_CHUNK  # prompt tokens of the next chunk that rides in a step
+        self.free_step: float | None = None  # seconds of the last step that carried no chunk
         self.prefill_alone = 0  # the next this many sequences join one at a time: their batch's prefill failed
 
     @property
@@ -304,6 +308,25 @@ class Scheduler:
         except Exception as exc:
             return [], self._failed([seq], exc, prefill=None)
 
+    def _riding_chunk(self, active: list[Sequence], budgets: list[int]) -> tuple[Sequence, int] | None:
+        """The long prompt (the fewest tokens left first) and how many of its tokens ride in this step, or None:
+        none is being prefilled, it cannot ride, its last token is next (that one goes through prefill, which draws
+        the first token), or the pool has no room for the step and the chunk together."""
+        if not self.prefilling or not self.runner.rides_chunks:
+            return None
+        seq = min(self.prefilling, key=lambda s: len(s.token_ids) - s.prefilled)
+        tokens = min(self.ride_tokens, len(seq.token_ids) - seq.prefilled - 1)
+        if tokens < 1 or not self.runner.chunk_fits_beside(active, budgets, seq, tokens):
+            return None
+        return seq, tokens
+
+    def _rode(self, tokens: int, seconds: float) -> None:
+        """After a step that carried `tokens` of a prompt in `seconds`: the next chunk scaled towards the budget."""
+        target = max(STEP_BUDGET_SECONDS, (1 + CHUNK_STEP_FRACTION) * (self.free_step or 0.0))
+        scale = min(2.0, max(0.5, target / max(seconds, 1e-6)))
+        self.ride_tokens = max(MIN_CHUNK, min(int(tokens * scale), MAX_PREFILL_TOKENS))
+        self.runner.slots.stats.chunks += 1
+
     def step(self) -> SchedulerOutput:
         runner, controller = self.runner, self.budget.controller
         start = time.perf_counter()
@@ -322,18 +345,24 @@ class Scheduler:
                 joining = []
         else:
             active = self._take_active()
+            riding = None
             if active:
                 try:
                     active, budgets = self._make_room(active)
-                    deltas.update(zip((s.request_id for s in active), runner.step(active, budgets)))
+                    riding = self._riding_chunk(active, budgets)
+                    deltas.update(zip((s.request_id for s in active), runner.step(active, budgets, riding)))
                     report = runner.last_report
-                    if controller is not None:
-                        wall = time.perf_counter() - start - report.join_time
-                        controller.observe(active, max(budgets), report, wall)
+                    wall = time.perf_counter() - start - report.join_time
+                    if riding is not None:
+                        self._rode(riding[1], wall)
+                    else:
+                        self.free_step = wall
+                        if controller is not None:  # (a step that carried a chunk says little about drafting)
+                            controller.observe(active, max(budgets), report, wall)
                 except Exception as exc:
                     failed = self._failed(active, exc, prefill=False)
-                    active, report = [], None
-            if self.prefilling:
+                    active, report, riding = [], None, None
+            if self.prefilling and riding is None:
                 joined, chunk_failed = self._prefill_chunk(deltas, time.perf_counter() - start if active else None)
                 joining += joined
                 failed += chunk_failed

@@ -138,6 +138,21 @@ class StepRunner:
             return 0
         return self.cache.blocks_needed(seq.slot, len(seq.token_ids) + self.tree_room + 1)
 
+    @property
+    def rides_chunks(self) -> bool:
+        """Whether a long prompt's chunk can go in a step's target pass (not where the proposer reads the target's
+        hidden states: a chunk alone hands them over, prefill_chunk)."""
+        return not self.features.wanted
+
+    def chunk_fits_beside(self, seqs: list[Sequence], budgets: list[int], seq: Sequence, tokens: int) -> bool:
+        """Whether the pool has the blocks for a step of seqs and the next `tokens` of seq's prompt together."""
+        if not self.paged:
+            return True
+        width = 1 + (self.tree_room if any(budgets) else 0)
+        slots = [s.slot for s in seqs]
+        need = self.cache.blocks_needed_many(slots, (self.cache.lengths[slots] + width).tolist())
+        return need + self.cache.blocks_needed(seq.slot, seq.prefilled + tokens) <= self.cache.pool.available
+
     def chunk_fits(self, seq: Sequence, tokens: int) -> bool:
         """Whether the pool has the blocks for the next `tokens` of a prompt being prefilled in chunks."""
         return not self.paged or self.cache.blocks_needed(seq.slot, seq.prefilled + tokens) <= self.cache.pool.available
@@ -396,8 +411,9 @@ class StepRunner:
         return delta
 
     @torch.inference_mode()
-    def step(self, seqs: list[Sequence], budgets: list[int]) -> list[str]:
-        """One speculative step for every sequence; returns the new text of each."""
+    def step(self, seqs: list[Sequence], budgets: list[int], chunk: tuple[Sequence, int] | None = None) -> list[str]:
+        """One speculative step for every sequence; returns the new text of each. chunk (a long prompt's sequence,
+        tokens): the next tokens of that prompt go into its cache in the same target pass (as prefill_chunk)."""
         self.mutated = False
         device = self.target.device
         join_time = 0.0
@@ -415,7 +431,14 @@ class StepRunner:
 
         batch = StepBatch.build([s.token_ids[-1] for s in seqs], trees, [s.slot for s in seqs], self.cache.lengths,
                                 device)
-        out = self.target(batch.ids, cache=self.cache, hidden_layers=self.features.layers, **batch.target_inputs())
+        riding = None
+        if chunk is not None:
+            assert self.rides_chunks, "a proposer that reads the target's features takes chunks alone"
+            long, tokens = chunk
+            self.cache.rollback(torch.tensor([long.slot]), long.prefilled)
+            riding = (long.slot, long.token_ids[long.prefilled:long.prefilled + tokens])
+        out = self.target(batch.ids, cache=self.cache, hidden_layers=self.features.layers, chunk=riding,
+                          **batch.target_inputs())
         results = verify_step(trees, self._adjusted_logits(seqs, out.logits, trees), [s.params for s in seqs],
                               [s.random.key for s in seqs], [s.num_generated for s in seqs])
         slots, width = batch.slots, batch.width
@@ -426,6 +449,10 @@ class StepRunner:
         n_kept = [1 + len(r.accepted) for r in results]
         self.mutated = True  # from here on the caches and the sequences change
         self.cache.commit(slots, kept, torch.tensor(n_kept))
+        if chunk is not None:
+            self.cache.advance(torch.tensor([long.slot]), tokens)
+            long.prefilled += tokens
+            self.index([long])
         t2 = time.perf_counter()
 
         report = StepReport(width, t1 - t0, t2 - t1, [len(t) for t in trees], [len(r.accepted) for r in results],

@@ -12,7 +12,9 @@
 // Cache layout (model/cache.py): keys [blocks, kv_heads, head_dim, bs] (transposed), values [blocks, kv_heads, bs,
 // head_dim]; row b's position p is offset p % bs of block tables[b][p / bs]. Row b's new token t is written at lengths[b] + pending + t and sees the
 // row's committed prefix [0, lengths[b]) and, among the pending + T fresh positions after it, those that
-// visible[b][t] marks (no mask: the causal ones, fresh position f <= pending + t).
+// visible[b][t] marks (no mask: the causal ones, fresh position f <= pending + t). A chunk of another row's prompt
+// can ride along (chunk_tokens rows of x after the B*T, causal from chunk_length): each product then reads its
+// weights once for the step and the chunk together, and every row's numbers are the ones it gets alone.
 #include "quant.h"
 #include "vec.h"
 
@@ -81,6 +83,19 @@ void write_cache_q8(const AttentionStep& step, const float* qkv_data, int8_t* kd
   });
 }
 
+// The new keys and values of a step into the cache, in its element type.
+void write_new_entries(const AttentionStep& step, const float* qkv_data, torch::Tensor& keys, torch::Tensor& values) {
+  if (keys.scalar_type() == torch::kFloat32)
+    write_cache(step, qkv_data, keys.data_ptr<float>(), values.data_ptr<float>());
+  else if (keys.scalar_type() == torch::kBFloat16)
+    write_cache(step, qkv_data, keys.data_ptr<c10::BFloat16>(), values.data_ptr<c10::BFloat16>());
+  else if (keys.scalar_type() == torch::kInt8) {
+    TORCH_CHECK(step.hd % Q8_GROUP == 0, "an 8-bit KV cache needs a head size that is a multiple of ", Q8_GROUP);
+    write_cache_q8(step, qkv_data, keys.data_ptr<int8_t>(), values.data_ptr<int8_t>());
+  } else
+    write_cache(step, qkv_data, keys.data_ptr<c10::Half>(), values.data_ptr<c10::Half>());
+}
+
 }  // namespace
 
 void layer_step(torch::Tensor x, const torch::Tensor& input_norm, const torch::Tensor& post_norm, double eps,
@@ -92,18 +107,29 @@ void layer_step(torch::Tensor x, const torch::Tensor& input_norm, const torch::T
                 const std::vector<int64_t>& f_down, const torch::Tensor& cos, const torch::Tensor& sin,
                 torch::Tensor keys, torch::Tensor values, const torch::Tensor& tables, const torch::Tensor& lengths,
                 int64_t pending, const c10::optional<torch::Tensor>& visible, int64_t num_heads,
-                int64_t num_kv_heads, int64_t new_tokens) {
+                int64_t num_kv_heads, int64_t new_tokens, const c10::optional<torch::Tensor>& chunk_table,
+                int64_t chunk_length, int64_t chunk_tokens) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2, "x must be [B*T, D] float32");
-  const int64_t BT = x.size(0), D = x.size(1), T = new_tokens, B = BT / T;
+  const int64_t C = chunk_tokens, rows = x.size(0), BT = rows - C, D = x.size(1), T = new_tokens, B = BT / T;
   const int64_t H = num_heads, G = num_kv_heads, hd = cos.size(1);
   const int64_t bs = keys.size(3), fresh = pending + T;
-  TORCH_CHECK(B * T == BT && tables.dim() == 2 && tables.size(0) == B && lengths.numel() == B,
+  TORCH_CHECK(C >= 0 && B * T == BT && tables.dim() == 2 && tables.size(0) == B && lengths.numel() == B,
               "rows and new tokens do not match x");
-  TORCH_CHECK(cos.size(0) == BT && sin.size(0) == BT && cos.is_contiguous() && sin.is_contiguous() &&
-              cos.dtype() == torch::kFloat32 && sin.dtype() == torch::kFloat32, "cos/sin must be [B*T, hd] float32");
+  TORCH_CHECK(cos.size(0) == rows && sin.size(0) == rows && cos.is_contiguous() && sin.is_contiguous() &&
+              cos.dtype() == torch::kFloat32 && sin.dtype() == torch::kFloat32,
+              "cos/sin must be [B*T + chunk tokens, hd] float32");
   auto table_list = tables.to(torch::kInt64).contiguous();
   auto length_list = lengths.to(torch::kInt64).contiguous();
   check_attention_inputs(keys, values, table_list, length_list, B, fresh);
+  // A chunk of another row's prompt riding along (its C rows of x after the B*T): C causal new tokens from
+  // chunk_length, in the blocks of chunk_table [1, width]; the products read the weights once for all rows.
+  torch::Tensor chunk_tables, chunk_lengths = torch::full({1}, chunk_length, torch::kInt64);
+  if (C > 0) {
+    TORCH_CHECK(chunk_table.has_value() && chunk_table->defined() && chunk_table->dim() == 2 &&
+                chunk_table->size(0) == 1, "a chunk needs its row's block table [1, width]");
+    chunk_tables = chunk_table->to(torch::kInt64).contiguous();
+    check_attention_inputs(keys, values, chunk_tables, chunk_lengths, 1, C);
+  }
   const int64_t width = tables.size(1);
   const int64_t* table = table_list.data_ptr<int64_t>();  // [B, width]: row b's blocks in order of position
   const int64_t* length = length_list.data_ptr<int64_t>();
@@ -117,9 +143,9 @@ void layer_step(torch::Tensor x, const torch::Tensor& input_norm, const torch::T
   float* xs = x.data_ptr<float>();
 
   // attention block
-  auto h = torch::empty({BT, D}, torch::kFloat32);
-  rms_norm(xs, input_norm.data_ptr<float>(), static_cast<float>(eps), BT, D, h.data_ptr<float>());
-  auto qkv = qmatmul_parts(h, w_qkv, f_qkv, true);  // [BT, (H + 2G) * hd]
+  auto h = torch::empty({rows, D}, torch::kFloat32);
+  rms_norm(xs, input_norm.data_ptr<float>(), static_cast<float>(eps), rows, D, h.data_ptr<float>());
+  auto qkv = qmatmul_parts(h, w_qkv, f_qkv, true);  // [rows, (H + 2G) * hd]
   if (b_qkv.has_value() && b_qkv->defined()) qkv += *b_qkv;
   const int64_t qkv_width = (H + 2 * G) * hd, half = hd / 2;
   float* qkv_data = qkv.data_ptr<float>();
@@ -128,7 +154,7 @@ void layer_step(torch::Tensor x, const torch::Tensor& input_norm, const torch::T
                 "q_norm and k_norm must both be given, [head_dim] each");
     const float* qw = q_norm->data_ptr<float>();
     const float* kw = k_norm->data_ptr<float>();
-    for (int64_t i = 0; i < BT; ++i)
+    for (int64_t i = 0; i < rows; ++i)
       for (int64_t head = 0; head < H + G; ++head) {
         float* v = qkv_data + i * qkv_width + head * hd;
         rms_norm(v, head < H ? qw : kw, static_cast<float>(eps), 1, hd, v);  // (in place: it reads before it writes)
@@ -137,37 +163,35 @@ void layer_step(torch::Tensor x, const torch::Tensor& input_norm, const torch::T
   const float* cs = cos.data_ptr<float>();
   const float* sn = sin.data_ptr<float>();
   std::vector<float> rolled(hd);
-  for (int64_t i = 0; i < BT; ++i) {  // rotary on the q and k heads: x * cos + roll(x, hd/2) * signed_sin
+  for (int64_t i = 0; i < rows; ++i) {  // rotary on the q and k heads: x * cos + roll(x, hd/2) * signed_sin
     for (int64_t head = 0; head < H + G; ++head) {
       float* v = qkv_data + i * qkv_width + head * hd;
       for (int64_t d = 0; d < hd; ++d) rolled[d] = v[(d + half) % hd];
       for (int64_t d = 0; d < hd; ++d) v[d] = v[d] * cs[i * hd + d] + rolled[d] * sn[i * hd + d];
     }
   }
-  auto attn = torch::empty({BT, H * hd}, torch::kFloat32);
+  auto attn = torch::empty({rows, H * hd}, torch::kFloat32);
   const AttentionStep step{B, T, H, G, hd, bs, width, pending, qkv_width, table, length, mask};
-  if (keys.scalar_type() == torch::kFloat32)
-    write_cache(step, qkv_data, keys.data_ptr<float>(), values.data_ptr<float>());
-  else if (keys.scalar_type() == torch::kBFloat16)
-    write_cache(step, qkv_data, keys.data_ptr<c10::BFloat16>(), values.data_ptr<c10::BFloat16>());
-  else if (keys.scalar_type() == torch::kInt8) {
-    TORCH_CHECK(hd % Q8_GROUP == 0, "an 8-bit KV cache needs a head size that is a multiple of ", Q8_GROUP);
-    write_cache_q8(step, qkv_data, keys.data_ptr<int8_t>(), values.data_ptr<int8_t>());
-  } else
-    write_cache(step, qkv_data, keys.data_ptr<c10::Half>(), values.data_ptr<c10::Half>());
+  write_new_entries(step, qkv_data, keys, values);
   paged_attention(step, keys, values, qkv_data, attn.data_ptr<float>(), true);
-  auto o = qmatmul_parts(attn, w_o, f_o, true);  // [BT, D]
+  if (C > 0) {
+    const AttentionStep chunk{1, C, H, G, hd, bs, chunk_tables.size(1), 0, qkv_width,
+                              chunk_tables.data_ptr<int64_t>(), chunk_lengths.data_ptr<int64_t>(), nullptr};
+    write_new_entries(chunk, qkv_data + BT * qkv_width, keys, values);
+    paged_attention(chunk, keys, values, qkv_data + BT * qkv_width, attn.data_ptr<float>() + BT * H * hd, true);
+  }
+  auto o = qmatmul_parts(attn, w_o, f_o, true);  // [rows, D]
   const float* od = o.data_ptr<float>();
-  for (int64_t i = 0; i < BT * D; ++i) xs[i] += od[i];
+  for (int64_t i = 0; i < rows * D; ++i) xs[i] += od[i];
 
   // MLP block
-  rms_norm(xs, post_norm.data_ptr<float>(), static_cast<float>(eps), BT, D, h.data_ptr<float>());
-  auto gate_up = qmatmul_parts(h, w_gate_up, f_gate_up, true);  // [BT, 2F]
+  rms_norm(xs, post_norm.data_ptr<float>(), static_cast<float>(eps), rows, D, h.data_ptr<float>());
+  auto gate_up = qmatmul_parts(h, w_gate_up, f_gate_up, true);  // [rows, 2F]
   const int64_t F = gate_up.size(1) / 2;
-  auto act = torch::empty({BT, F}, torch::kFloat32);
+  auto act = torch::empty({rows, F}, torch::kFloat32);
   const float* gu = gate_up.data_ptr<float>();
   float* a = act.data_ptr<float>();
-  for (int64_t i = 0; i < BT; ++i) {  // silu(gate) * up = gate / (1 + exp(-gate)) * up
+  for (int64_t i = 0; i < rows; ++i) {  // silu(gate) * up = gate / (1 + exp(-gate)) * up
     const float* gate = gu + i * 2 * F;
     const float* up = gate + F;
     float* out = a + i * F;
@@ -182,7 +206,7 @@ void layer_step(torch::Tensor x, const torch::Tensor& input_norm, const torch::T
 #endif
     for (; j < F; ++j) out[j] = gate[j] / (1.0f + exp1(-gate[j])) * up[j];
   }
-  auto down = qmatmul_parts(act, w_down, f_down, true);  // [BT, D]
+  auto down = qmatmul_parts(act, w_down, f_down, true);  // [rows, D]
   const float* dd = down.data_ptr<float>();
-  for (int64_t i = 0; i < BT * D; ++i) xs[i] += dd[i];
+  for (int64_t i = 0; i < rows * D; ++i) xs[i] += dd[i];
 }

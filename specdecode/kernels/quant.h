@@ -31,7 +31,8 @@ void layer_step(torch::Tensor x, const torch::Tensor& input_norm, const torch::T
                 const std::vector<int64_t>& f_down, const torch::Tensor& cos, const torch::Tensor& sin,
                 torch::Tensor keys, torch::Tensor values, const torch::Tensor& tables, const torch::Tensor& lengths,
                 int64_t pending, const c10::optional<torch::Tensor>& visible, int64_t num_heads,
-                int64_t num_kv_heads, int64_t new_tokens);
+                int64_t num_kv_heads, int64_t new_tokens, const c10::optional<torch::Tensor>& chunk_table,
+                int64_t chunk_length, int64_t chunk_tokens);
 
 // The vector width the products (and attention) use: 512, 256, or 0 (scalar).
 int64_t vector_bits();

@@ -241,7 +241,7 @@ class LlamaForCausalLM(nn.Module):
                 cache: KVCache | None = None, slots: torch.Tensor | None = None,
                 tree_mask: torch.Tensor | None = None, hidden_layers: tuple[int, ...] = (),
                 compute_logits: bool = True, inputs_embeds: torch.Tensor | None = None,
-                pending: int = 0) -> ModelOutput:
+                pending: int = 0, chunk: tuple[int, list[int]] | None = None) -> ModelOutput:
         """Run the decoder.
 
         input_ids [B, T]. Without a cache: the training forward (causal attention over the T tokens).
@@ -252,7 +252,19 @@ class LlamaForCausalLM(nn.Module):
         this draft (written by an earlier forward): the new tokens are written after them and tree_mask is then
         [B, T, P + T], its first P columns saying which of those earlier tokens each new token sees.
         positions [B, T] default to the write positions. The cache's lengths are not changed.
+        chunk (slot, token ids): the next piece of another row's prompt, written after that row's length in the same
+        forward (through the kernels, each layer's weights are read once for both; elsewhere it runs first, alone);
+        the output covers the B rows only.
         """
+        if chunk is not None:
+            fused = self.fused_layers(cache)
+            if fused is None or hidden_layers or inputs_embeds is not None:
+                self.forward(torch.tensor([chunk[1]], device=self.device), cache=cache,
+                             slots=torch.tensor([chunk[0]]), compute_logits=False)
+                chunk = None
+            else:  # its blocks first: a pool too short raises before anything is written
+                start = int(cache.lengths[chunk[0]])
+                cache.reserve([chunk[0]], [start + len(chunk[1])])
         B, T = input_ids.shape
         ctx = None
         if cache is not None:
@@ -271,11 +283,20 @@ class LlamaForCausalLM(nn.Module):
             cos, sin = cos.reshape(B * T, -1).float().contiguous(), sin.reshape(B * T, -1).float().contiguous()
             visible = None if ctx.tree_mask is None else ctx.tree_mask.cpu()
             step, args, heads, kv_heads = fused
+            ride = (None, 0, 0)
+            if chunk is not None:  # its rows after the B * T
+                ids = torch.tensor(chunk[1], device=self.device)
+                c_cos, c_sin = self.rotary(torch.arange(start, start + len(ids), device=self.device)[None])
+                x = torch.cat((x, self.model.embed_tokens(ids).float()))
+                cos = torch.cat((cos, c_cos.reshape(len(ids), -1).float())).contiguous()
+                sin = torch.cat((sin, c_sin.reshape(len(ids), -1).float())).contiguous()
+                ride = (cache.tables[[chunk[0]]], start, len(ids))
             for i, (layer_args, k, v) in enumerate(zip(args, cache.k, cache.v)):
                 step(x, *layer_args, cos, sin, k, v, ctx.tables, ctx.lengths, ctx.pending, visible,
-                                 heads, kv_heads, T)
+                     heads, kv_heads, T, *ride)
                 if i in hidden_layers:
                     layer_hidden[i] = x.view(B, T, -1).clone()
+            x = x[:B * T]
         else:
             for i, layer in enumerate(self.model.layers):
                 x = layer(x, cos, sin, ctx)

@@ -205,10 +205,10 @@ def test_health_reports_a_stalled_engine(llm_factory, monkeypatch):
     inside, release = threading.Event(), threading.Event()
     real_step = engine.llm.runner.step
 
-    def stuck_step(seqs, budgets):
+    def stuck_step(seqs, budgets, chunk=None):
         inside.set()
         assert release.wait(WAIT)
-        return real_step(seqs, budgets)
+        return real_step(seqs, budgets, chunk)
 
     monkeypatch.setattr(engine.llm.runner, "step", stuck_step)
     engine.start()

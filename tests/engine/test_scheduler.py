@@ -313,43 +313,55 @@ def test_a_long_prompt_alone_goes_in_chunks_that_an_abort_or_a_newcomer_does_not
     assert_no_leak(llm)
 
 
-def _prefill_chunks_beside_a_stream(llm, prompts, params):
-    """A short stream decoding, then the long prompts: their chunks while it runs, and the order they join in."""
+
+def _beside_a_stream(llm, prompts, params, monkeypatch):
+    """A short stream decoding, then the long prompts, all to the end: ({request_id: output ids}, how many steps ran
+    while a prompt was being prefilled, the order the long ones joined, how many chunks ran outside a step)."""
+    alone = []
+    monkeypatch.setattr(llm.runner, "prefill_chunk", lambda seq, tokens: alone.append(tokens))  # must not run
     llm.runner.ensure_capacity(llm.max_num_seqs, llm.max_model_len, llm.tree_size)
     scheduler = llm.make_scheduler(llm.max_num_seqs, False)
-    stream = llm.make_sequence(QUESTIONS[1], SamplingParams(temperature=0, max_tokens=400, ignore_eos=True), "stream")
+    stream = llm.make_sequence(QUESTIONS[1], SamplingParams(temperature=0, max_tokens=300, ignore_eos=True), "stream")
     scheduler.add(stream)
     scheduler.step()
-    for i, (prompt, sp) in enumerate(zip(prompts, params)):
-        scheduler.add(llm.make_sequence(prompt, sp, f"long{i}"))
+    seqs = [stream] + [llm.make_sequence(p, sp, f"long{i}") for i, (p, sp) in enumerate(zip(prompts, params))]
+    for seq in seqs[1:]:
+        scheduler.add(seq)
     chunks, joined = 0, []
     while scheduler.has_work:
+        before = [s.prefilled for s in seqs[1:]]
         out = scheduler.step()
-        chunks += bool(scheduler.prefilling)
+        if [s.prefilled for s in seqs[1:]] != before and not out.prefilled:  # a chunk rode in the stream's step
+            chunks += 1
+            assert "stream" in out.deltas or stream.finished
         joined += [s.request_id for s in out.prefilled if s.request_id != "stream"]
         assert scheduler.slot_problem() is None and llm.runner.cache.leak() is None
-        if len(joined) == len(prompts):
-            break
-    assert not stream.finished  # every chunk was taken beside the running stream
-    for request_id in joined:
-        scheduler.abort(request_id)
-    scheduler.abort("stream")
+    assert alone == [] and len(joined) == len(prompts)
     assert_no_leak(llm)
-    return chunks, joined
+    return {s.request_id: s.output_ids for s in seqs}, chunks, joined
 
 
-def test_beside_running_streams_a_long_prompt_takes_what_the_step_leaves_of_the_budget(tiny_models, monkeypatch):
-    """While others decode, a chunk is sized to fill STEP_BUDGET_SECONDS less the step (at least CHUNK_STEP_FRACTION
-    of the step): with a budget far above the step the prompt goes in a first chunk and one more; with none, in
-    chunks of a fraction of a step, many of them."""
+def test_a_long_prompt_rides_in_the_running_streams_steps_and_answers_as_alone(tiny_models, monkeypatch):
+    """While others decode, a long prompt's chunks go in their steps' target pass (no pass of its own), growing
+    towards STEP_BUDGET_SECONDS a step (doubling at most from FIRST_CHUNK, so a budget far above the step takes a
+    few steps; none keeps chunks to a fraction of a step, many of them); every answer is its solo one, bit for
+    bit, in each case."""
     prompt = SYSTEM + SYSTEM[:len(SYSTEM) // 2] + QUESTIONS[0]
-    params = [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)]
-    assert len(engine(tiny_models, None).tokenizer.encode(prompt)) > 1.5 * scheduler_module.CHUNKED_PREFILL_ABOVE
-    monkeypatch.setattr(scheduler_module, "STEP_BUDGET_SECONDS", 30.0)
-    wide, _ = _prefill_chunks_beside_a_stream(engine(tiny_models, None, max_num_seqs=2), [prompt], params)
-    monkeypatch.setattr(scheduler_module, "STEP_BUDGET_SECONDS", 0.0)
-    narrow, _ = _prefill_chunks_beside_a_stream(engine(tiny_models, None, max_num_seqs=2), [prompt], params)
-    assert wide <= 2 < narrow, (wide, narrow)
+    params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)]
+    solo = engine(tiny_models, None, max_num_seqs=1, enable_chunked_prefill=False)
+    n = len(solo.tokenizer.encode(prompt))
+    assert n > 1.5 * scheduler_module.CHUNKED_PREFILL_ABOVE
+    want = {"long0": solo.generate([prompt], params)[0].outputs[0].token_ids,
+            "stream": solo.generate([QUESTIONS[1]], SamplingParams(temperature=0, max_tokens=300,
+                                                                   ignore_eos=True))[0].outputs[0].token_ids}
+    runs = {}
+    for budget in (30.0, 0.0):
+        monkeypatch.setattr(scheduler_module, "STEP_BUDGET_SECONDS", budget)
+        runs[budget] = _beside_a_stream(engine(tiny_models, None, max_num_seqs=2), [prompt], params, monkeypatch)
+        assert runs[budget][0] == want, budget
+    wide, narrow = runs[30.0][1], runs[0.0][1]
+    doubling = next(i for i in range(20) if scheduler_module.FIRST_CHUNK * (2 ** (i + 1) - 1) >= n - 1) + 1
+    assert wide == doubling and narrow > 2 * wide, (wide, narrow)
 
 
 def test_the_chunked_prompt_with_the_fewest_tokens_left_goes_first(tiny_models, monkeypatch):
@@ -361,5 +373,5 @@ def test_the_chunked_prompt_with_the_fewest_tokens_left_goes_first(tiny_models, 
     llm = engine(tiny_models, None, max_num_seqs=3, enable_prefix_caching=False)
     sizes = [len(llm.tokenizer.encode(p)) for p in (longer, shorter)]
     assert sizes[0] > sizes[1] + 100 and sizes[1] > scheduler_module.CHUNKED_PREFILL_ABOVE
-    _, joined = _prefill_chunks_beside_a_stream(llm, [longer, shorter], params)
+    _, _, joined = _beside_a_stream(llm, [longer, shorter], params, monkeypatch)
     assert joined == ["long1", "long0"]

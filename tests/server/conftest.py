@@ -102,10 +102,10 @@ class StepGate:
         self.entered, self.opened, self.aborted = threading.Event(), threading.Event(), threading.Event()
         runner, real_step, real_abort = engine.llm.runner, engine.llm.runner.step, engine.abort
 
-        def step(seqs, budgets):
+        def step(seqs, budgets, chunk=None):
             self.entered.set()
             assert self.opened.wait(WAIT), "the test never opened the gate"
-            return real_step(seqs, budgets)
+            return real_step(seqs, budgets, chunk)
 
         def abort(request_id):
             real_abort(request_id)
