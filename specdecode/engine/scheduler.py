@@ -53,8 +53,10 @@ class SchedulerOutput:
 
 
 CHUNKED_PREFILL_ABOVE = 256
-"""A prompt with more tokens than this to prefill is prefilled in chunks: between the other sequences' steps while
-they decode, in chunks of about LONE_CHUNK_SECONDS while nothing else runs."""
+RIDING_ABOVE = 32
+"""A prompt with more tokens than this to prefill is prefilled in chunks: in chunks of about LONE_CHUNK_SECONDS while
+nothing else runs; while others decode, one of more than RIDING_ABOVE rides in their steps (prefilled apart, a
+prompt of a few hundred tokens held every stream's next token for seconds)."""
 LONE_CHUNK_SECONDS = 1.0
 LONE_FIRST_CHUNK = 64
 """A long prompt prefilled while nothing else runs goes in chunks of about a second (the first of LONE_FIRST_CHUNK
@@ -214,9 +216,12 @@ class Scheduler:
 
     def _chunked(self, seq: Sequence, reused: int) -> bool:
         """Whether a joining prompt is prefilled in chunks: one of more than MAX_PREFILL_TOKENS always (the
-        activations' bound), a long one too (so as not to stall the others, nor an abort or a newcomer)."""
+        activations' bound), a long one too (so as not to stall the others, nor an abort or a newcomer): more than
+        CHUNKED_PREFILL_ABOVE tokens, or RIDING_ABOVE while others decode and its chunks can ride in their steps."""
         left = len(seq.token_ids) - reused
-        return left > MAX_PREFILL_TOKENS or (self.runner.chunked_prefill and left > CHUNKED_PREFILL_ABOVE)
+        riding = self.running and self.runner.rides_chunks
+        return left > MAX_PREFILL_TOKENS or (self.runner.chunked_prefill
+                                              and left > (RIDING_ABOVE if riding else CHUNKED_PREFILL_ABOVE))
 
     def _shares_unindexed(self, seq: Sequence, reused: int, others: list[Sequence]) -> bool:
         """Whether seq's next full block after what it reuses is one that another joining or prefilling sequence is

@@ -315,8 +315,8 @@ def test_a_long_prompt_alone_goes_in_chunks_that_an_abort_or_a_newcomer_does_not
 
 
 def _beside_a_stream(llm, prompts, params, monkeypatch):
-    """A short stream decoding, then the long prompts, all to the end: ({request_id: output ids}, how many steps ran
-    while a prompt was being prefilled, the order the long ones joined, how many chunks ran outside a step)."""
+    """A short stream decoding, then the long prompts, all to the end, the stream getting a token at every iteration:
+    ({request_id: output ids}, how many steps carried a chunk, the order the long ones joined)."""
     alone = []
     monkeypatch.setattr(llm.runner, "prefill_chunk", lambda seq, tokens: alone.append(tokens))  # must not run
     llm.runner.ensure_capacity(llm.max_num_seqs, llm.max_model_len, llm.tree_size)
@@ -333,7 +333,7 @@ def _beside_a_stream(llm, prompts, params, monkeypatch):
         out = scheduler.step()
         if [s.prefilled for s in seqs[1:]] != before and not out.prefilled:  # a chunk rode in the stream's step
             chunks += 1
-            assert "stream" in out.deltas or stream.finished
+        assert "stream" in out.deltas or stream.finished  # no iteration passes the stream by
         joined += [s.request_id for s in out.prefilled if s.request_id != "stream"]
         assert scheduler.slot_problem() is None and llm.runner.cache.leak() is None
     assert alone == [] and len(joined) == len(prompts)
@@ -375,3 +375,16 @@ def test_the_chunked_prompt_with_the_fewest_tokens_left_goes_first(tiny_models, 
     assert sizes[0] > sizes[1] + 100 and sizes[1] > scheduler_module.CHUNKED_PREFILL_ABOVE
     _, _, joined = _beside_a_stream(llm, [longer, shorter], params, monkeypatch)
     assert joined == ["long1", "long0"]
+
+
+def test_beside_a_stream_a_prompt_of_a_few_dozen_tokens_rides_too(tiny_models, monkeypatch):
+    """A prompt of more than RIDING_ABOVE tokens (fewer than CHUNKED_PREFILL_ABOVE) that arrives while others decode
+    rides in their steps instead of holding them for its prefill; its answer is its solo one."""
+    prompt = SYSTEM[:120] + QUESTIONS[2]
+    params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)]
+    solo = engine(tiny_models, None, max_num_seqs=1)
+    n = len(solo.tokenizer.encode(prompt))
+    assert scheduler_module.RIDING_ABOVE < n < scheduler_module.CHUNKED_PREFILL_ABOVE
+    want = solo.generate([prompt], params)[0].outputs[0].token_ids
+    outputs, chunks, _ = _beside_a_stream(engine(tiny_models, None, max_num_seqs=2), [prompt], params, monkeypatch)
+    assert chunks >= 1 and outputs["long0"] == want
