@@ -417,6 +417,13 @@ def run_speed(config: SpeedConfig, log=print) -> dict:
         gc.collect()
         log(f"plain vs prompt lookup: {', '.join(plain)}")
         speculation = time_speculation(config, plain, config.now)
+    breakdowns = {}
+    if config.speculation and any(b == "gguf" for _, b in pairs):
+        from specdecode.bench.breakdown import step_breakdowns
+
+        engines = llms = first = plain = None  # (memory)
+        gc.collect()
+        breakdowns = step_breakdowns(config, SPEC_PROMPT, log)
     vs_llama_cpp = {}
     if config.llama_cpp is not None:
         engines = llms = first = plain = None  # the engines above are done with: memory
@@ -428,7 +435,7 @@ def run_speed(config: SpeedConfig, log=print) -> dict:
     return {"machine": info, "settings": {**dataclasses.asdict(config), "model": str(config.model),
                                              "llama_cpp": config.llama_cpp and str(config.llama_cpp)},
             "prompt_tokens": len(ids), "bandwidth_gb_s": bandwidth / 1e9, "decode": decode, "verify": verify,
-            "batch": batch, "speculation": speculation, "vs_llama_cpp": vs_llama_cpp,
+            "batch": batch, "speculation": speculation, "step_breakdown": breakdowns, "vs_llama_cpp": vs_llama_cpp,
             "goals": goals(decode, verify, batch, vs_llama_cpp)}
 
 

@@ -181,6 +181,14 @@ def markdown(results: dict) -> str:
                   "(generated tokens/s, interleaved).", batch_table(results)]
     if results.get("speculation"):
         parts += ["## Speculation in each configuration", speculation_table(results)]
+    if results.get("step_breakdown"):
+        from specdecode.bench.breakdown import breakdown_lines
+
+        lines = [line for name, shares in results["step_breakdown"].items() for line in breakdown_lines(name, shares)]
+        parts += ["## Where a speculative step's time goes",
+                  "Each part's time a step and share (specdecode/bench/breakdown.py): the target pass's layers split by "
+                  "the kernels' own clock, then the step's other parts and the scheduler around it.",
+                  "```\n" + "\n".join(lines) + "\n```"]
     if results.get("vs_llama_cpp"):
         parts += [f"## vs {results['vs_llama_cpp']['reference']}", llama_cpp_table(results)]
     return "\n\n".join(parts) + "\n"

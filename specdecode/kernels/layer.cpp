@@ -20,6 +20,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -29,6 +30,23 @@
 #endif
 
 namespace {
+
+// Where the layers' time goes, when asked (kernel_timing): seconds in the products, in attention (the cache write
+// and the attention itself) and in the rest (norms, rotary, residuals, SiLU), summed over calls. Read on the
+// calling thread around each part: the parts' own threads are inside them.
+bool timing = false;
+double spent[3] = {0.0, 0.0, 0.0};
+enum Part { PRODUCTS, ATTENTION, OTHER };
+
+struct Clock {
+  std::chrono::steady_clock::time_point last = std::chrono::steady_clock::now();
+  void lap(Part part) {  // the time since the last lap goes to `part`
+    if (!timing) return;
+    const auto now = std::chrono::steady_clock::now();
+    spent[part] += std::chrono::duration<double>(now - last).count();
+    last = now;
+  }
+};
 
 // rms_norm(x) * w for each of `rows` rows of width D, written to out.
 void rms_norm(const float* x, const float* w, float eps, int64_t rows, int64_t D, float* out) {
@@ -98,6 +116,13 @@ void write_new_entries(const AttentionStep& step, const float* qkv_data, torch::
 
 }  // namespace
 
+void kernel_timing(bool on) {
+  timing = on;
+  spent[PRODUCTS] = spent[ATTENTION] = spent[OTHER] = 0.0;
+}
+
+std::vector<double> kernel_times() { return {spent[PRODUCTS], spent[ATTENTION], spent[OTHER]}; }
+
 void layer_step(torch::Tensor x, const torch::Tensor& input_norm, const torch::Tensor& post_norm, double eps,
                 const std::vector<torch::Tensor>& w_qkv, const std::vector<int64_t>& f_qkv,
                 const c10::optional<torch::Tensor>& b_qkv, const c10::optional<torch::Tensor>& q_norm,
@@ -141,11 +166,14 @@ void layer_step(torch::Tensor x, const torch::Tensor& input_norm, const torch::T
     mask = mask_tensor.data_ptr<bool>();
   }
   float* xs = x.data_ptr<float>();
+  Clock clock;
 
   // attention block
   auto h = torch::empty({rows, D}, torch::kFloat32);
   rms_norm(xs, input_norm.data_ptr<float>(), static_cast<float>(eps), rows, D, h.data_ptr<float>());
+  clock.lap(OTHER);
   auto qkv = qmatmul_parts(h, w_qkv, f_qkv, true);  // [rows, (H + 2G) * hd]
+  clock.lap(PRODUCTS);
   if (b_qkv.has_value() && b_qkv->defined()) qkv += *b_qkv;
   const int64_t qkv_width = (H + 2 * G) * hd, half = hd / 2;
   float* qkv_data = qkv.data_ptr<float>();
@@ -171,6 +199,7 @@ void layer_step(torch::Tensor x, const torch::Tensor& input_norm, const torch::T
     }
   }
   auto attn = torch::empty({rows, H * hd}, torch::kFloat32);
+  clock.lap(OTHER);
   const AttentionStep step{B, T, H, G, hd, bs, width, pending, qkv_width, table, length, mask};
   write_new_entries(step, qkv_data, keys, values);
   paged_attention(step, keys, values, qkv_data, attn.data_ptr<float>(), true);
@@ -180,13 +209,17 @@ void layer_step(torch::Tensor x, const torch::Tensor& input_norm, const torch::T
     write_new_entries(chunk, qkv_data + BT * qkv_width, keys, values);
     paged_attention(chunk, keys, values, qkv_data + BT * qkv_width, attn.data_ptr<float>() + BT * H * hd, true);
   }
+  clock.lap(ATTENTION);
   auto o = qmatmul_parts(attn, w_o, f_o, true);  // [rows, D]
+  clock.lap(PRODUCTS);
   const float* od = o.data_ptr<float>();
   for (int64_t i = 0; i < rows * D; ++i) xs[i] += od[i];
 
   // MLP block
   rms_norm(xs, post_norm.data_ptr<float>(), static_cast<float>(eps), rows, D, h.data_ptr<float>());
+  clock.lap(OTHER);
   auto gate_up = qmatmul_parts(h, w_gate_up, f_gate_up, true);  // [rows, 2F]
+  clock.lap(PRODUCTS);
   const int64_t F = gate_up.size(1) / 2;
   auto act = torch::empty({rows, F}, torch::kFloat32);
   const float* gu = gate_up.data_ptr<float>();
@@ -206,7 +239,10 @@ void layer_step(torch::Tensor x, const torch::Tensor& input_norm, const torch::T
 #endif
     for (; j < F; ++j) out[j] = gate[j] / (1.0f + exp1(-gate[j])) * up[j];
   }
+  clock.lap(OTHER);
   auto down = qmatmul_parts(act, w_down, f_down, true);  // [rows, D]
+  clock.lap(PRODUCTS);
   const float* dd = down.data_ptr<float>();
   for (int64_t i = 0; i < rows * D; ++i) xs[i] += dd[i];
+  clock.lap(OTHER);
 }

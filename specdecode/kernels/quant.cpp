@@ -1203,6 +1203,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("visible"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("new_tokens"),
         py::arg("use_simd") = true);
   m.def("layer_step", &layer_step, "one decoder layer over a cached forward's new tokens, in place");
+  m.def("kernel_timing", &kernel_timing, "time layer_step's parts (the sums reset)", py::arg("on"));
+  m.def("kernel_times", &kernel_times, "seconds in layer_step's products, attention and the rest so far");
   m.def("race_argmax", &race_argmax, "a seeded sample per row by the exponential race (Gumbel-max)");
   m.def("has_simd", &has_simd);
   m.def("instruction_set", &instruction_set);

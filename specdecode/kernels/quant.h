@@ -34,6 +34,11 @@ void layer_step(torch::Tensor x, const torch::Tensor& input_norm, const torch::T
                 int64_t num_kv_heads, int64_t new_tokens, const c10::optional<torch::Tensor>& chunk_table,
                 int64_t chunk_length, int64_t chunk_tokens);
 
+// Timing of layer_step's parts (layer.cpp): on or off (the sums reset), and the seconds so far in the products,
+// in attention (with the cache write) and in the rest.
+void kernel_timing(bool on);
+std::vector<double> kernel_times();
+
 // The vector width the products (and attention) use: 512, 256, or 0 (scalar).
 int64_t vector_bits();
 
