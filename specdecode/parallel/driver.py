@@ -87,8 +87,12 @@ class ParallelModel:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                  cache: ParallelCache | None = None, slots: torch.Tensor | None = None,
                  tree_mask: torch.Tensor | None = None, hidden_layers: tuple[int, ...] = (),
-                 compute_logits: bool = True, inputs_embeds: torch.Tensor | None = None, pending: int = 0):
-        """LlamaForCausalLM.forward on every rank; returns rank 0's output (the whole model's)."""
+                 compute_logits: bool = True, inputs_embeds: torch.Tensor | None = None, pending: int = 0,
+                 chunk: tuple[int, list[int]] | None = None):
+        """LlamaForCausalLM.forward on every rank; returns rank 0's output (the whole model's). A chunk of another
+        row's prompt runs first, as a forward of its own on every rank."""
+        if chunk is not None:
+            self(torch.tensor([chunk[1]]), cache=cache, slots=torch.tensor([chunk[0]]), compute_logits=False)
         args = {"input_ids": input_ids, "positions": positions, "slots": slots, "tree_mask": tree_mask,
                 "inputs_embeds": inputs_embeds, "pending": pending}
         self.runtime.send(Command("forward", self.name, None if cache is None else cache.cache_id,
