@@ -33,7 +33,7 @@ class StepBreakdown:
         kernels = quant_kernels()
         clock = time.perf_counter
         in_step = [False]
-        layer_times = (lambda: kernels.kernel_times()) if kernels is not None else (lambda: [0.0, 0.0, 0.0])
+        layer_times = kernels.kernel_times if kernels is not None else (lambda: [0.0, 0.0, 0.0])
         if kernels is not None:
             kernels.kernel_timing(True)
         real_forward, real_head, real_step = target.forward, target.lm_head.forward, runner.step

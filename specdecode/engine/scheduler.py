@@ -4,9 +4,8 @@ blocks its tokens fill) while it runs.
 Both the offline `LLM.generate` loop and the server's background engine drive this one scheduler; an iteration
 either prefills the sequences that just got a row or runs one speculative step for every running sequence, with the
 next chunk of a long prompt that arrived while others were decoding riding in the step's target pass (chunked
-prefill). A joining sequence
-reuses the keys and values the cache holds of its prompt's beginning and prefills only the rest
-(engine/prefix_cache.py).
+prefill). A joining sequence reuses the keys and values the cache holds of its prompt's beginning and prefills only
+the rest (engine/prefix_cache.py).
 
 Paged, memory is admitted by blocks: a request joins when the blocks of its prompt and first step fit beside what
 the running ones need for their next step; requests that share a beginning not yet in the cache join one after the
@@ -284,7 +283,7 @@ class Scheduler:
         not wait out a file-sized one): what the step that just ran leaves of STEP_BUDGET_SECONDS (at least
         CHUNK_STEP_FRACTION of it), or about LONE_CHUNK_SECONDS when nothing else runs. The last chunk draws the
         first token and the sequence joins the running ones. Returns (joined, failed)."""
-        seq = min(self.prefilling, key=lambda s: len(s.token_ids) - s.prefilled)
+        seq = self._shortest_prefilling()
         left = len(seq.token_ids) - seq.prefilled
         if step_seconds is None or not self.running:
             tokens = max(MIN_CHUNK, min(int(self.chunk_rate * LONE_CHUNK_SECONDS), MAX_PREFILL_TOKENS)) \
@@ -313,13 +312,17 @@ class Scheduler:
         except Exception as exc:
             return [], self._failed([seq], exc, prefill=None)
 
+    def _shortest_prefilling(self) -> Sequence:
+        """Of the prompts being prefilled, the one with the fewest tokens left (the next to get a chunk)."""
+        return min(self.prefilling, key=lambda s: len(s.token_ids) - s.prefilled)
+
     def _riding_chunk(self, active: list[Sequence], budgets: list[int]) -> tuple[Sequence, int] | None:
         """The long prompt (the fewest tokens left first) and how many of its tokens ride in this step, or None:
         none is being prefilled, it cannot ride, its last token is next (that one goes through prefill, which draws
         the first token), or the pool has no room for the step and the chunk together."""
         if not self.prefilling or not self.runner.rides_chunks:
             return None
-        seq = min(self.prefilling, key=lambda s: len(s.token_ids) - s.prefilled)
+        seq = self._shortest_prefilling()
         tokens = min(self.ride_tokens, len(seq.token_ids) - seq.prefilled - 1)
         if tokens < 1 or not self.runner.chunk_fits_beside(active, budgets, seq, tokens):
             return None

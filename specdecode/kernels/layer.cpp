@@ -39,7 +39,10 @@ double spent[3] = {0.0, 0.0, 0.0};
 enum Part { PRODUCTS, ATTENTION, OTHER };
 
 struct Clock {
-  std::chrono::steady_clock::time_point last = std::chrono::steady_clock::now();
+  std::chrono::steady_clock::time_point last;
+  Clock() {
+    if (timing) last = std::chrono::steady_clock::now();
+  }
   void lap(Part part) {  // the time since the last lap goes to `part`
     if (!timing) return;
     const auto now = std::chrono::steady_clock::now();
@@ -148,8 +151,9 @@ void layer_step(torch::Tensor x, const torch::Tensor& input_norm, const torch::T
   check_attention_inputs(keys, values, table_list, length_list, B, fresh);
   // A chunk of another row's prompt riding along (its C rows of x after the B*T): C causal new tokens from
   // chunk_length, in the blocks of chunk_table [1, width]; the products read the weights once for all rows.
-  torch::Tensor chunk_tables, chunk_lengths = torch::full({1}, chunk_length, torch::kInt64);
+  torch::Tensor chunk_tables, chunk_lengths;
   if (C > 0) {
+    chunk_lengths = torch::full({1}, chunk_length, torch::kInt64);
     TORCH_CHECK(chunk_table.has_value() && chunk_table->defined() && chunk_table->dim() == 2 &&
                 chunk_table->size(0) == 1, "a chunk needs its row's block table [1, width]");
     chunk_tables = chunk_table->to(torch::kInt64).contiguous();

@@ -388,3 +388,31 @@ def test_beside_a_stream_a_prompt_of_a_few_dozen_tokens_rides_too(tiny_models, m
     want = solo.generate([prompt], params)[0].outputs[0].token_ids
     outputs, chunks, _ = _beside_a_stream(engine(tiny_models, None, max_num_seqs=2), [prompt], params, monkeypatch)
     assert chunks >= 1 and outputs["long0"] == want
+
+
+
+def test_a_riding_prompts_blocks_are_shared_as_they_fill(tiny_models, monkeypatch):
+    """The blocks a riding chunk fills are offered to the prefix cache at once: a request that begins as a prompt
+    still being prefilled (its first three blocks, then other text) joins with those blocks reused, instead of
+    waiting for the whole prefill."""
+    monkeypatch.setattr(scheduler_module, "STEP_BUDGET_SECONDS", 0.0)  # small chunks: the first is mid-prefill
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    llm = engine(tiny_models, None, max_num_seqs=3)
+    llm.runner.ensure_capacity(llm.max_num_seqs, llm.max_model_len, llm.tree_size)
+    scheduler = llm.make_scheduler(llm.max_num_seqs, False)
+    scheduler.add(llm.make_sequence(QUESTIONS[1], SamplingParams(temperature=0, max_tokens=300, ignore_eos=True),
+                                    "stream"))
+    scheduler.step()
+    first = llm.make_sequence(SYSTEM + SYSTEM[:len(SYSTEM) // 2] + QUESTIONS[0], params, "first")
+    scheduler.add(first)
+    block = llm.runner.cache.block_size
+    while first.prefilled < 3 * block:
+        scheduler.step()
+    assert first in scheduler.prefilling  # still being prefilled
+    second = llm.make_sequence(first.token_ids[:3 * block + 2] + [7 + j % 5 for j in range(40)], params, "second")
+    scheduler.add(second)
+    scheduler.step()
+    assert second not in scheduler.waiting and second.reused == 3 * block, second.reused
+    for request_id in ("stream", "first", "second"):
+        scheduler.abort(request_id)
+    assert_no_leak(llm)
